@@ -1,0 +1,232 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * dm-thin-metadata.h - the pool metadata API: thin devices, their block
+ * mappings, snapshots, data space, transactions, in dm-thin's on-disk
+ * format (version 2), so thin-provisioning-tools and the kernel's
+ * thin-pool read what we write and we read what they write.
+ *
+ * Two opaque types: struct tsp_pool_metadata (one pool's metadata device)
+ * and struct tsp_thin_device (one thin device opened in it).
+ *
+ * Locking: every function takes the pool metadata lock (a rw_semaphore:
+ * lookups share it, updates hold it exclusively); functions named __x
+ * inside dm-thin-metadata.c assume it is held.  Every function may sleep.
+ *
+ * Return codes, for every function returning int: 0 on success;
+ * -ENODATA for a virtual block that is not mapped; -EEXIST for a device
+ * id in use; -ENODEV for no such device; -EBUSY for an open device being
+ * deleted, a metadata snapshot that exists, or a device still open at
+ * close; -ENOSPC when out of data or metadata space; -EINVAL for bad
+ * arguments; -EILSEQ for corrupt metadata; -EPERM when the metadata is
+ * read only or failed; -ENOMEM; IO errors.  After any update fails the
+ * metadata is in the failed state until tsp_pool_abort_metadata().
+ */
+#ifndef TSP_DM_THIN_METADATA_H
+#define TSP_DM_THIN_METADATA_H
+
+#include "persistent-data/block-manager.h"
+
+/* The largest device id dm-thin accepts: 24 bits. */
+#define TSP_THIN_MAX_DEV_ID ((1ULL << 24) - 1)
+/* Data block size limits, in 512-byte sectors (64 KiB to 1 GiB). */
+#define TSP_DATA_BLOCK_SIZE_MIN_SECTORS 128
+#define TSP_DATA_BLOCK_SIZE_MAX_SECTORS 2097152
+/* The metadata device is used up to this many blocks (~15.9 GiB). */
+#define TSP_METADATA_MAX_BLOCKS (255ULL * ((4096 - 16) * 4))
+
+typedef u64 tsp_thin_id;
+
+struct tsp_pool_metadata;
+struct tsp_thin_device;
+
+/**
+ * tsp_pool_metadata_open - open a pool's metadata, formatting if empty
+ * @bdev: the metadata device
+ * @data_block_size: data block size in sectors
+ * @nr_data_blocks: the data device's size in data blocks (used when
+ *	formatting; an existing pool keeps its size until resized)
+ * @format_device: format if the superblock is all zeroes
+ * @result: the opened metadata
+ *
+ * Returns 0, or -EILSEQ (bad checksum, magic or version), -EINVAL (data
+ * block size differs from the one on disk), -ENOSPC (device too small),
+ * -ENOMEM or an IO error, with a DMERR saying which.
+ */
+int __must_check tsp_pool_metadata_open(struct block_device *bdev,
+					sector_t data_block_size,
+					tsp_block_t nr_data_blocks,
+					bool format_device,
+					struct tsp_pool_metadata **result);
+/* Commit (unless read only or failed) and free; -EBUSY if devices open. */
+int tsp_pool_metadata_close(struct tsp_pool_metadata *pmd);
+
+int __must_check tsp_pool_create_thin(struct tsp_pool_metadata *pmd,
+				      tsp_thin_id dev);
+/* @origin must be quiesced by the caller (suspended) as with dm-thin. */
+int __must_check tsp_pool_create_snap(struct tsp_pool_metadata *pmd,
+				      tsp_thin_id dev, tsp_thin_id origin);
+int __must_check tsp_pool_delete_thin_device(struct tsp_pool_metadata *pmd,
+					     tsp_thin_id dev);
+
+int __must_check tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd);
+/* Drop every change since the last commit; leaves the failed state. */
+int __must_check tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd);
+
+/* Compare and swap: -EINVAL if @current_id is not the stored one. */
+int __must_check tsp_pool_set_metadata_transaction_id(struct tsp_pool_metadata *pmd,
+						      u64 current_id, u64 new_id);
+int __must_check tsp_pool_get_metadata_transaction_id(struct tsp_pool_metadata *pmd,
+						      u64 *result);
+
+/* Metadata snapshot for thin_dump -m on a live pool (commits first). */
+int __must_check tsp_pool_reserve_metadata_snap(struct tsp_pool_metadata *pmd);
+int __must_check tsp_pool_release_metadata_snap(struct tsp_pool_metadata *pmd);
+/* The held root's location, 0 if none. */
+int __must_check tsp_pool_get_metadata_snap(struct tsp_pool_metadata *pmd,
+					    tsp_block_t *result);
+
+int __must_check tsp_pool_open_thin_device(struct tsp_pool_metadata *pmd,
+					   tsp_thin_id dev,
+					   struct tsp_thin_device **td);
+void tsp_pool_close_thin_device(struct tsp_thin_device *td);
+tsp_thin_id tsp_thin_dev_id(struct tsp_thin_device *td);
+
+/**
+ * struct tsp_thin_lookup_result - where a virtual block lives
+ * @block: the data block
+ * @shared: the block may be shared with a snapshot (write must copy)
+ */
+struct tsp_thin_lookup_result {
+	tsp_block_t block;
+	bool shared;
+};
+
+int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
+				     tsp_block_t virt,
+				     struct tsp_thin_lookup_result *result);
+
+/**
+ * tsp_thin_find_mapped_range - the first run of mapped blocks in a range
+ * @td: thin device
+ * @begin: first virtual block of the range
+ * @end: one past its last
+ * @thin_begin: out, first virtual block of the run
+ * @thin_end: out, one past its last
+ * @pool_begin: out, the data block @thin_begin maps to
+ * @maybe_shared: out, whether the run may be shared
+ *
+ * A run is consecutive virtual blocks mapped to consecutive data blocks
+ * with the same sharing.  Returns -ENODATA if nothing in the range is
+ * mapped.
+ */
+int __must_check tsp_thin_find_mapped_range(struct tsp_thin_device *td,
+					    tsp_block_t begin, tsp_block_t end,
+					    tsp_block_t *thin_begin,
+					    tsp_block_t *thin_end,
+					    tsp_block_t *pool_begin,
+					    bool *maybe_shared);
+
+/* Allocate a data block (reference count 1) for tsp_thin_insert_block(). */
+int __must_check tsp_pool_alloc_data_block(struct tsp_pool_metadata *pmd,
+					   tsp_block_t *result);
+/* Map @virt to @data, taking over the allocation's reference. */
+int __must_check tsp_thin_insert_block(struct tsp_thin_device *td,
+				       tsp_block_t virt, tsp_block_t data);
+int __must_check tsp_thin_remove_block(struct tsp_thin_device *td,
+				       tsp_block_t virt);
+/* Unmap [@begin, @end); not an error if nothing was mapped. */
+int __must_check tsp_thin_remove_range(struct tsp_thin_device *td,
+				       tsp_block_t begin, tsp_block_t end);
+
+int __must_check tsp_thin_get_mapped_count(struct tsp_thin_device *td,
+					   tsp_block_t *result);
+/* -ENODATA when nothing is mapped. */
+int __must_check tsp_thin_get_highest_mapped_block(struct tsp_thin_device *td,
+						   tsp_block_t *result);
+bool tsp_thin_changed_this_transaction(struct tsp_thin_device *td);
+bool tsp_pool_changed_this_transaction(struct tsp_pool_metadata *pmd);
+
+int __must_check tsp_pool_get_data_block_count(struct tsp_pool_metadata *pmd,
+					       tsp_block_t *result);
+int __must_check tsp_pool_get_free_block_count(struct tsp_pool_metadata *pmd,
+					       tsp_block_t *result);
+int __must_check tsp_pool_get_data_block_refcount(struct tsp_pool_metadata *pmd,
+						  tsp_block_t b, u32 *result);
+int __must_check tsp_pool_get_metadata_dev_size(struct tsp_pool_metadata *pmd,
+						tsp_block_t *result);
+int __must_check tsp_pool_get_free_metadata_block_count(struct tsp_pool_metadata *pmd,
+							tsp_block_t *result);
+/* Grow the data space map; -EINVAL to shrink. */
+int __must_check tsp_pool_resize_data_dev(struct tsp_pool_metadata *pmd,
+					  tsp_block_t new_count);
+/* Grow the metadata space map to @new_count blocks. */
+int __must_check tsp_pool_resize_metadata_dev(struct tsp_pool_metadata *pmd,
+					      tsp_block_t new_count);
+
+/* Refuse every further update (read-only pool mode). */
+void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd);
+/* Set the needs_check flag in the superblock and commit it. */
+int __must_check tsp_pool_metadata_set_needs_check(struct tsp_pool_metadata *pmd);
+bool tsp_pool_metadata_needs_check(struct tsp_pool_metadata *pmd);
+
+/*
+ * For tools (restore, dump, check): the superblock's fields, device
+ * details, and mappings with their times.
+ */
+struct tsp_pool_info {
+	u8 uuid[16];
+	u32 flags;
+	u32 version;
+	u32 time;
+	u64 transaction_id;
+	u64 metadata_snap;
+	u32 data_block_size;
+	tsp_block_t nr_data_blocks;
+	tsp_block_t nr_metadata_blocks;
+};
+
+struct tsp_thin_details {
+	u64 mapped_blocks;
+	u64 transaction_id;
+	u32 creation_time;
+	u32 snapshotted_time;
+};
+
+int __must_check tsp_pool_get_info(struct tsp_pool_metadata *pmd,
+				   struct tsp_pool_info *info);
+/* Restore only: set the superblock's time, transaction id and flags. */
+int __must_check tsp_pool_restore_superblock(struct tsp_pool_metadata *pmd,
+					     u32 time, u64 transaction_id,
+					     u32 flags);
+/* Restore only: create an empty device with the given details. */
+int __must_check tsp_pool_restore_thin(struct tsp_pool_metadata *pmd,
+				       tsp_thin_id dev,
+				       const struct tsp_thin_details *details);
+/* Restore only: map @virt to @data at @time, adding a reference to @data. */
+int __must_check tsp_thin_restore_block(struct tsp_thin_device *td,
+					tsp_block_t virt, tsp_block_t data,
+					u32 time);
+
+/* Devices in id order; a non-zero return from @fn stops the walk. */
+int __must_check tsp_pool_walk_devices(struct tsp_pool_metadata *pmd,
+				       int (*fn)(void *context, tsp_thin_id dev,
+						 const struct tsp_thin_details *d),
+				       void *context);
+/* Mappings in virtual block order. */
+int __must_check tsp_thin_walk_mappings(struct tsp_thin_device *td,
+					int (*fn)(void *context, tsp_block_t virt,
+						  tsp_block_t data, u32 time),
+					void *context);
+
+/**
+ * tsp_pool_check - verify the whole committed metadata
+ * @pmd: freshly opened metadata (no uncommitted changes)
+ *
+ * Checks every tree's structure and every reference count in both space
+ * maps against the references actually found, including those of a held
+ * metadata snapshot.  Returns 0 or -EILSEQ with DMERRs saying what is
+ * wrong.  Userspace tools only: it allocates per-block counters.
+ */
+int __must_check tsp_pool_check(struct tsp_pool_metadata *pmd);
+
+#endif /* TSP_DM_THIN_METADATA_H */

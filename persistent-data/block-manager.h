@@ -1,0 +1,70 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * block-manager.h - fixed size metadata blocks over dm-bufio, each read
+ * checked by a validator (checksum, location, magic) and each write
+ * prepared by it.
+ *
+ * Locking: the block manager itself takes no lock beyond dm-bufio's.  A
+ * block is write locked by at most one holder at a time; the metadata
+ * layer above guarantees that by holding its own lock over every write.
+ * Every function may sleep.
+ */
+#ifndef TSP_BLOCK_MANAGER_H
+#define TSP_BLOCK_MANAGER_H
+
+#include "compat.h"
+
+#define TSP_METADATA_BLOCK_SIZE 4096
+#define TSP_SECTOR_SHIFT 9
+#define TSP_METADATA_BLOCK_SECTORS (TSP_METADATA_BLOCK_SIZE >> TSP_SECTOR_SHIFT)
+
+typedef u64 tsp_block_t;
+
+struct tsp_block_manager;
+struct tsp_block;	/* a locked block */
+
+/**
+ * struct tsp_block_validator - how one kind of block is checked and sealed
+ * @name: kind of block, for error messages
+ * @prepare_for_write: fill in checksum and location just before the block
+ *	is written; must not fail or sleep
+ * @check: verify a block just read; returns 0 or a negative errno
+ *	(-EILSEQ for a bad checksum or location)
+ */
+struct tsp_block_validator {
+	const char *name;
+	void (*prepare_for_write)(const struct tsp_block_validator *v,
+				  struct tsp_block *b, size_t block_size);
+	int (*check)(const struct tsp_block_validator *v,
+		     struct tsp_block *b, size_t block_size);
+};
+
+struct tsp_block_manager *tsp_bm_create(struct block_device *bdev,
+					unsigned int max_held);
+void tsp_bm_destroy(struct tsp_block_manager *bm);
+
+tsp_block_t tsp_bm_nr_blocks(struct tsp_block_manager *bm);
+
+int __must_check tsp_bm_read_lock(struct tsp_block_manager *bm, tsp_block_t b,
+				  const struct tsp_block_validator *v,
+				  struct tsp_block **result);
+int __must_check tsp_bm_write_lock(struct tsp_block_manager *bm, tsp_block_t b,
+				   const struct tsp_block_validator *v,
+				   struct tsp_block **result);
+int __must_check tsp_bm_write_lock_zero(struct tsp_block_manager *bm,
+					tsp_block_t b,
+					const struct tsp_block_validator *v,
+					struct tsp_block **result);
+void tsp_bm_unlock(struct tsp_block *b);
+
+int __must_check tsp_bm_flush(struct tsp_block_manager *bm);
+void tsp_bm_forget(struct tsp_block_manager *bm, tsp_block_t b);
+void tsp_bm_set_read_only(struct tsp_block_manager *bm);
+bool tsp_bm_is_read_only(struct tsp_block_manager *bm);
+
+tsp_block_t tsp_block_location(struct tsp_block *b);
+void *tsp_block_data(struct tsp_block *b);
+
+u32 tsp_bm_checksum(const void *data, size_t len, u32 init_xor);
+
+#endif /* TSP_BLOCK_MANAGER_H */

@@ -1,0 +1,117 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * btree.h - copy-on-write B+ trees of u64 keys and fixed size values in
+ * metadata blocks, dm-thin's on-disk node format.
+ *
+ * A tree is named by its root block.  Every update takes the current root
+ * and returns the new one (the nodes on the path are shadowed).  Subtrees
+ * may be shared between trees (snapshots): a shared node is copied on
+ * write and the reference counts of what it points to are incremented.
+ * Values may themselves reference things (data blocks, other trees); the
+ * value type's inc/dec callbacks keep those reference counts right when
+ * a value is copied, overwritten or dropped.
+ *
+ * Costs: lookup, insert and remove touch O(log n) blocks.  Every function
+ * may sleep.  Locking: as the transaction manager (the caller serialises).
+ *
+ * Return codes: 0; -ENODATA when a key is not present; -ENOMEM; -ENOSPC
+ * when out of metadata space; -EILSEQ for a corrupt node; IO errors.
+ */
+#ifndef TSP_BTREE_H
+#define TSP_BTREE_H
+
+#include "transaction-manager.h"
+
+/**
+ * struct tsp_btree_value_type - what the values of a tree are
+ * @context: passed to the callbacks
+ * @size: bytes per value (little-endian, as on disk)
+ * @inc: take one more reference on what @value references, or NULL
+ * @dec: drop a reference on what @value references, or NULL
+ * @equal: whether two values are the same, or NULL for memcmp
+ */
+struct tsp_btree_value_type {
+	void *context;
+	u32 size;
+	int (*inc)(void *context, const void *value);
+	int (*dec)(void *context, const void *value);
+	bool (*equal)(void *context, const void *v1, const void *v2);
+};
+
+struct tsp_btree_info {
+	struct tsp_tm *tm;
+	struct tsp_btree_value_type vt;
+};
+
+/* Create an empty tree (one empty leaf). */
+int __must_check tsp_btree_empty(struct tsp_btree_info *info, tsp_block_t *root);
+
+/* Drop one reference to a tree; frees what nobody else references. */
+int __must_check tsp_btree_del(struct tsp_btree_info *info, tsp_block_t root);
+
+int __must_check tsp_btree_lookup(struct tsp_btree_info *info, tsp_block_t root,
+				  u64 key, void *value);
+
+/* The first key >= @key and its value; -ENODATA if none. */
+int __must_check tsp_btree_lookup_next(struct tsp_btree_info *info,
+				       tsp_block_t root, u64 key,
+				       u64 *found_key, void *value);
+
+/* The highest key; -ENODATA if the tree is empty. */
+int __must_check tsp_btree_find_highest_key(struct tsp_btree_info *info,
+					    tsp_block_t root, u64 *key);
+
+/**
+ * tsp_btree_insert - insert or overwrite
+ * @info: tree description
+ * @root: current root
+ * @key: key
+ * @value: the new value; the tree takes over the caller's reference
+ * @new_root: out, the root after the insert
+ * @inserted: out (may be NULL), false when an old value was overwritten
+ *	(the old value is dec'ed unless equal to the new one)
+ */
+int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
+				  u64 key, const void *value,
+				  tsp_block_t *new_root, bool *inserted);
+
+/* Remove @key (dec'ing its value); -ENODATA if absent. */
+int __must_check tsp_btree_remove(struct tsp_btree_info *info, tsp_block_t root,
+				  u64 key, tsp_block_t *new_root);
+
+/* Remove every key in [@begin, @end); @nr_removed may be NULL. */
+int __must_check tsp_btree_remove_range(struct tsp_btree_info *info,
+					tsp_block_t root, u64 begin, u64 end,
+					tsp_block_t *new_root, u64 *nr_removed);
+
+/* Call @fn for every key in order; a non-zero return stops the walk. */
+int __must_check tsp_btree_walk(struct tsp_btree_info *info, tsp_block_t root,
+				int (*fn)(void *context, u64 key, void *value),
+				void *context);
+
+/**
+ * tsp_btree_check - verify a tree's structure
+ * @info: tree description (value size)
+ * @root: root block
+ * @node_fn: called for every reference to a node (the root, and every
+ *	child pointer), so counting calls gives reference counts; returns 0
+ *	to descend into the node, 1 to skip it (already checked through
+ *	another reference), or a negative errno to stop; may be NULL
+ *	(descend always)
+ * @value_fn: called for every value of every node descended into; may
+ *	be NULL
+ * @context: for the callbacks
+ *
+ * Checks checksums, locations, node flags, value size, entry counts
+ * (non-root nodes at least a third full) and key order and ranges.
+ * Returns 0 or -EILSEQ with a DMERR naming the block.
+ */
+int __must_check tsp_btree_check(struct tsp_btree_info *info, tsp_block_t root,
+				 int (*node_fn)(void *context, tsp_block_t b),
+				 int (*value_fn)(void *context, u64 key,
+						 void *value),
+				 void *context);
+
+extern const struct tsp_block_validator tsp_btree_node_validator;
+
+#endif /* TSP_BTREE_H */

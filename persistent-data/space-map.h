@@ -1,0 +1,44 @@
+/* SPDX-License-Identifier: GPL-2.0-only */
+/*
+ * space-map.h - reference counts of data blocks, dm-thin's on-disk data
+ * space map: 2-bit counts in bitmap blocks, found through an index btree,
+ * with counts of 3 and more in an overflow btree.
+ *
+ * A block freed in the current transaction is not handed out again until
+ * the transaction commits (the committed metadata may still map it).
+ *
+ * Locking: none; the caller serialises.  Every function may sleep.
+ * Return codes: 0; -ENOSPC when no block is free; -EINVAL for a block
+ * beyond the end or a count that would go below zero; -EILSEQ for
+ * corrupt metadata; -ENOMEM; IO errors.
+ */
+#ifndef TSP_SPACE_MAP_H
+#define TSP_SPACE_MAP_H
+
+#include "transaction-manager.h"
+
+struct tsp_data_sm;
+
+/* Create an empty space map of @nr_blocks blocks. */
+int __must_check tsp_data_sm_create(struct tsp_tm *tm, tsp_block_t nr_blocks,
+				    struct tsp_data_sm **result);
+/* Open the space map whose root (TSP_SM_ROOT_SIZE bytes) is @root. */
+int __must_check tsp_data_sm_open(struct tsp_tm *tm, const void *root,
+				  struct tsp_data_sm **result);
+void tsp_data_sm_destroy(struct tsp_data_sm *sm);
+
+tsp_block_t tsp_data_sm_nr_blocks(struct tsp_data_sm *sm);
+tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm);
+int __must_check tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b,
+				       u32 *count);
+int __must_check tsp_data_sm_inc(struct tsp_data_sm *sm, tsp_block_t b);
+int __must_check tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b);
+/* Allocate a free block: its count becomes 1. */
+int __must_check tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b);
+/* Grow to @nr_blocks; -EINVAL to shrink. */
+int __must_check tsp_data_sm_extend(struct tsp_data_sm *sm,
+				    tsp_block_t nr_blocks);
+/* Write what changed; fills @root (TSP_SM_ROOT_SIZE bytes). */
+int __must_check tsp_data_sm_commit(struct tsp_data_sm *sm, void *root);
+
+#endif /* TSP_SPACE_MAP_H */
