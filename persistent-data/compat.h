@@ -48,7 +48,9 @@
 
 #else /* userspace */
 
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <assert.h>
 #include <endian.h>
 #include <errno.h>
