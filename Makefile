@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: GPL-2.0-only
+#
+# Top-level Makefile of thin-scalable.
+#
+# Kernel side (kbuild, see Kbuild):
+#   make                  build dm-thin-scalable.ko in this tree against KDIR
+#   make C=1 / sparse     the same, with sparse (sparse checks every file)
+#   make kernels          build against each of KERNELS, each in its own
+#                         build/kmod-<kver>/ copy of the sources
+#   KDIR=<dir>            kernel build directory (default: that of the
+#                         running kernel if installed, else the newest one
+#                         under /lib/modules)
+#   KVER=6.12             shortcut: the newest /lib/modules/6.12*/build
+#
+# Userspace side (everything lands in build/):
+#   make tools            build/{opt,asan}/thin-scalable-meta
+#   make unit             build/asan/tests/* (the unit tests)
+#   make tsan             tools and unit tests under ThreadSanitizer
+#   make check            module, tools and unit tests, then tests/run
+#   make fuzz, bench-meta, bench    run scripts/<name> once it exists
+#   make clean
+
+# --- kernel module --------------------------------------------------------
+
+# Newest /lib/modules/<release>/build whose release is $(1) or starts
+# with "$(1)." or "$(1)-" (so that 6.1 does not match 6.12).
+kdir-of = $(shell ls -d /lib/modules/$(1)/build /lib/modules/$(1).*/build \
+		/lib/modules/$(1)-*/build 2>/dev/null | sort -V | tail -n 1)
+
+ifeq ($(origin KDIR),undefined)
+ifneq ($(KVER),)
+KDIR := $(call kdir-of,$(KVER))
+else
+KDIR := $(shell d=/lib/modules/$$(uname -r)/build; \
+		if [ -d "$$d" ]; then echo "$$d"; else \
+		ls -d /lib/modules/*/build 2>/dev/null | sort -V | tail -n 1; fi)
+endif
+endif
+
+# Kernels "make kernels" builds for, as KVER shortcuts.
+KERNELS ?= 6.1 6.12
+
+# What a build/kmod-<kver>/ copy needs: kbuild's input and kernel sources.
+KMOD_SOURCES = Kbuild $(wildcard *.c *.h persistent-data/*.c persistent-data/*.h)
+
+.PHONY: all module modules sparse kernels tools unit tsan check fuzz \
+	bench-meta bench clean FORCE
+
+all: module
+
+check-kdir = @if [ ! -d "$(1)" ]; then \
+	echo "no kernel build directory '$(1)'; run scripts/install-deps" \
+	     "or set KDIR" >&2; exit 1; fi
+
+module modules:
+	$(call check-kdir,$(KDIR))
+	$(MAKE) -C $(KDIR) M=$(CURDIR) modules
+
+# C=2 runs sparse on every source, not only on the ones being recompiled.
+sparse:
+	$(call check-kdir,$(KDIR))
+	$(MAKE) -C $(KDIR) M=$(CURDIR) C=2 modules
+
+kernels: $(addprefix kmod-,$(KERNELS))
+
+# Each kernel gets its own copy of the sources so that builds against
+# different headers never share (and clobber) objects.  Stale files are
+# removed first; cp -p keeps mtimes, so unchanged files are not rebuilt.
+kmod-%: FORCE
+	$(call check-kdir,$(call kdir-of,$*))
+	@mkdir -p build/$@/persistent-data
+	@rm -f build/$@/Kbuild build/$@/*.[ch] build/$@/persistent-data/*.[ch]
+	@cp -p --parents $(KMOD_SOURCES) build/$@/
+	$(MAKE) -C $(call kdir-of,$*) M=$(CURDIR)/build/$@ modules
+
+# --- userspace: tools and unit tests --------------------------------------
+
+# Compiler for userspace only; CC and CFLAGS given on the command line
+# would also reach kbuild, which must use the compiler the kernel was
+# built with.
+UCC ?= gcc
+
+LIBSRC := $(wildcard dm-thin-metadata.c persistent-data/*.c user/*.c)
+TOOLSRC := $(wildcard tools/*.c)
+UNITSRC := $(wildcard tests/unit/*.c)
+
+# compat.h also defines _GNU_SOURCE (empty); define it the same way here
+# so that the two definitions agree and -Werror stays quiet.
+UCFLAGS := -std=gnu11 -Wall -Wextra -Wno-unused-parameter -Werror -g -I. \
+	   -D_GNU_SOURCE= -MMD -MP
+URCU_LIBS :=
+ULIBS = -lpthread -lexpat $(URCU_LIBS)
+
+opt_CFLAGS := -O2
+asan_CFLAGS := -O1 -fsanitize=address,undefined -fno-omit-frame-pointer \
+	       -fno-sanitize-recover=all
+tsan_CFLAGS := -O1 -fsanitize=thread -fno-omit-frame-pointer
+
+# $(1): flavour.  Objects go to build/<flavour>/obj/<source path>.o.
+define flavour
+$(1)_LIBOBJ := $$(LIBSRC:%.c=build/$(1)/obj/%.o)
+$(1)_TOOLOBJ := $$(TOOLSRC:%.c=build/$(1)/obj/%.o)
+$(1)_TESTS := $$(UNITSRC:tests/unit/%.c=build/$(1)/tests/%)
+$(1)_TOOLS := $$(if $$(TOOLSRC),build/$(1)/thin-scalable-meta)
+
+build/$(1)/obj/%.o: %.c
+	@mkdir -p $$(@D)
+	$$(UCC) $$(UCFLAGS) $$($(1)_CFLAGS) -c -o $$@ $$<
+
+build/$(1)/thin-scalable-meta: $$($(1)_TOOLOBJ) $$($(1)_LIBOBJ)
+	$$(UCC) $$($(1)_CFLAGS) -o $$@ $$^ $$(ULIBS)
+
+build/$(1)/tests/%: build/$(1)/obj/tests/unit/%.o $$($(1)_LIBOBJ)
+	@mkdir -p $$(@D)
+	$$(UCC) $$($(1)_CFLAGS) -o $$@ $$^ $$(ULIBS)
+
+-include $$(patsubst %.c,build/$(1)/obj/%.d,$$(LIBSRC) $$(TOOLSRC) $$(UNITSRC))
+endef
+
+$(foreach f,opt asan tsan,$(eval $(call flavour,$(f))))
+
+# Keep objects of unit tests (built through a pattern chain) around.
+.SECONDARY:
+
+tools: $(opt_TOOLS) $(asan_TOOLS)
+	@$(if $(TOOLSRC),:,echo "tools: no tools/*.c yet, nothing to build")
+
+unit: $(asan_TESTS)
+	@$(if $(UNITSRC),:,echo "unit: no tests/unit/*.c yet, nothing to build")
+
+tsan: $(tsan_TOOLS) $(tsan_TESTS)
+
+check: module tools unit
+	tests/run
+
+# --- not implemented yet: say so ------------------------------------------
+
+# make fuzz runs scripts/fuzz-meta; the others run scripts/<target>.
+script-of = scripts/$(if $(filter fuzz,$(1)),fuzz-meta,$(1))
+
+fuzz bench-meta bench:
+	@if [ -x $(call script-of,$@) ]; then \
+		exec $(call script-of,$@); \
+	else \
+		echo "make $@: not implemented yet" \
+		     "($(call script-of,$@) does not exist)" >&2; \
+		exit 1; \
+	fi
+
+clean:
+	rm -rf build
+	@if [ -d "$(KDIR)" ]; then $(MAKE) -C $(KDIR) M=$(CURDIR) clean; fi
