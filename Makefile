@@ -84,10 +84,8 @@ LIBSRC := $(wildcard dm-thin-metadata.c persistent-data/*.c user/*.c)
 TOOLSRC := $(wildcard tools/*.c)
 UNITSRC := $(wildcard tests/unit/*.c)
 
-# compat.h also defines _GNU_SOURCE (empty); define it the same way here
-# so that the two definitions agree and -Werror stays quiet.
 UCFLAGS := -std=gnu11 -Wall -Wextra -Wno-unused-parameter -Werror -g -I. \
-	   -D_GNU_SOURCE= -MMD -MP
+	   -D_GNU_SOURCE -MMD -MP
 URCU_LIBS :=
 ULIBS = -lpthread -lexpat $(URCU_LIBS)
 
@@ -120,12 +118,14 @@ endef
 $(foreach f,opt asan tsan,$(eval $(call flavour,$(f))))
 
 # Keep objects of unit tests (built through a pattern chain) around.
+# "unit" also compiles every library object, tests or not, so that a
+# userspace compile error shows up in "make check" from the start.
 .SECONDARY:
 
 tools: $(opt_TOOLS) $(asan_TOOLS)
 	@$(if $(TOOLSRC),:,echo "tools: no tools/*.c yet, nothing to build")
 
-unit: $(asan_TESTS)
+unit: $(asan_LIBOBJ) $(asan_TESTS)
 	@$(if $(UNITSRC),:,echo "unit: no tests/unit/*.c yet, nothing to build")
 
 tsan: $(tsan_TOOLS) $(tsan_TESTS)
