@@ -31,8 +31,6 @@
 /* Data block size limits, in 512-byte sectors (64 KiB to 1 GiB). */
 #define TSP_DATA_BLOCK_SIZE_MIN_SECTORS 128
 #define TSP_DATA_BLOCK_SIZE_MAX_SECTORS 2097152
-/* The metadata device is used up to this many blocks (~15.9 GiB). */
-#define TSP_METADATA_MAX_BLOCKS (255ULL * ((4096 - 16) * 4))
 
 typedef u64 tsp_thin_id;
 

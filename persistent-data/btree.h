@@ -28,14 +28,12 @@
  * @size: bytes per value (little-endian, as on disk)
  * @inc: take one more reference on what @value references, or NULL
  * @dec: drop a reference on what @value references, or NULL
- * @equal: whether two values are the same, or NULL for memcmp
  */
 struct tsp_btree_value_type {
 	void *context;
 	u32 size;
 	int (*inc)(void *context, const void *value);
 	int (*dec)(void *context, const void *value);
-	bool (*equal)(void *context, const void *v1, const void *v2);
 };
 
 struct tsp_btree_info {
@@ -49,6 +47,7 @@ int __must_check tsp_btree_empty(struct tsp_btree_info *info, tsp_block_t *root)
 /* Drop one reference to a tree; frees what nobody else references. */
 int __must_check tsp_btree_del(struct tsp_btree_info *info, tsp_block_t root);
 
+/* @value may be NULL to test for presence only. */
 int __must_check tsp_btree_lookup(struct tsp_btree_info *info, tsp_block_t root,
 				  u64 key, void *value);
 
@@ -69,7 +68,8 @@ int __must_check tsp_btree_find_highest_key(struct tsp_btree_info *info,
  * @value: the new value; the tree takes over the caller's reference
  * @new_root: out, the root after the insert
  * @inserted: out (may be NULL), false when an old value was overwritten
- *	(the old value is dec'ed unless equal to the new one)
+ *	(the old value is dec'ed: overwriting a value with itself leaves
+ *	its reference count as it was)
  */
 int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
 				  u64 key, const void *value,

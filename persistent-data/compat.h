@@ -90,6 +90,8 @@ typedef unsigned int gfp_t;
 #define le32_to_cpu(x) le32toh(x)
 #define le64_to_cpu(x) le64toh(x)
 
+#define U32_MAX UINT32_MAX
+#define U64_MAX UINT64_MAX
 #define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define BUILD_BUG_ON(c) _Static_assert(!(c), #c)
 #define BUG_ON(c) assert(!(c))

@@ -41,4 +41,12 @@ int __must_check tsp_data_sm_extend(struct tsp_data_sm *sm,
 /* Write what changed; fills @root (TSP_SM_ROOT_SIZE bytes). */
 int __must_check tsp_data_sm_commit(struct tsp_data_sm *sm, void *root);
 
+/*
+ * For checkers: call @fn for every metadata block the space map occupies
+ * (index btree, bitmaps, overflow btree), as tsp_btree_check()'s node_fn.
+ */
+int __must_check tsp_data_sm_walk_own_blocks(struct tsp_data_sm *sm,
+					     int (*fn)(void *context, tsp_block_t b),
+					     void *context);
+
 #endif /* TSP_SPACE_MAP_H */

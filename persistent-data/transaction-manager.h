@@ -25,6 +25,12 @@
 struct tsp_tm;
 struct tsp_metadata_sm;
 
+/*
+ * The metadata space map has one index block of 255 bitmaps of 16320
+ * entries: metadata beyond this many blocks (about 15.9 GiB) is unused.
+ */
+#define TSP_TM_MAX_BLOCKS (255ULL * 16320)
+
 /* Bytes of the space map root kept in the superblock. */
 #define TSP_SM_ROOT_SIZE 128
 
@@ -113,5 +119,13 @@ tsp_block_t tsp_tm_nr_blocks(struct tsp_tm *tm);
 tsp_block_t tsp_tm_nr_free(struct tsp_tm *tm);
 /* Grow the metadata space map to @nr_blocks (never shrinks). */
 int __must_check tsp_tm_extend(struct tsp_tm *tm, tsp_block_t nr_blocks);
+
+/*
+ * For checkers: call @fn for every block the metadata space map occupies
+ * (index, bitmaps, overflow btree nodes), as tsp_btree_check()'s node_fn.
+ */
+int __must_check tsp_tm_walk_sm_blocks(struct tsp_tm *tm,
+				       int (*fn)(void *context, tsp_block_t b),
+				       void *context);
 
 #endif /* TSP_TRANSACTION_MANAGER_H */

@@ -1,0 +1,271 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * block-manager.c - metadata blocks over dm-bufio, checked on read and
+ * sealed on write by a per-kind validator.
+ *
+ * Each buffer's aux data remembers the validator that last accepted its
+ * contents, so a block is checksummed once per read from disk, not on
+ * every lock; a block read as one kind and locked as another is refused.
+ * dm-bufio calls our write callback just before it writes a buffer: that
+ * is where the validator fills in the location and checksum.
+ *
+ * Locking: dm-bufio's own.  The caller guarantees a block is not read
+ * while another holder has it write locked (the pool metadata lock).
+ */
+#define DM_MSG_PREFIX "thin-scalable metadata"
+
+#include "block-manager.h"
+
+struct tsp_block_manager {
+	struct dm_bufio_client *bufio;
+	bool read_only;
+};
+
+/* Per-buffer state kept in dm-bufio's aux area. */
+struct bm_aux {
+	const struct tsp_block_validator *validator;	/* NULL: unchecked */
+	bool write_locked;
+};
+
+static struct dm_buffer *to_buffer(struct tsp_block *b)
+{
+	return (struct dm_buffer *)b;
+}
+
+static struct bm_aux *buffer_aux(struct dm_buffer *buf)
+{
+	return dm_bufio_get_aux_data(buf);
+}
+
+/* dm-bufio callback: a buffer was created. */
+static void bm_alloc_callback(struct dm_buffer *buf)
+{
+	struct bm_aux *aux = buffer_aux(buf);
+
+	aux->validator = NULL;
+	aux->write_locked = false;
+}
+
+/* dm-bufio callback, just before a buffer is written; must not fail. */
+static void bm_write_callback(struct dm_buffer *buf)
+{
+	struct bm_aux *aux = buffer_aux(buf);
+
+	if (aux->validator)
+		aux->validator->prepare_for_write(aux->validator,
+						  (struct tsp_block *)buf,
+						  TSP_METADATA_BLOCK_SIZE);
+}
+
+/**
+ * tsp_bm_create - a block manager of 4 KiB blocks over a device
+ * @bdev: the metadata device
+ * @max_held: how many blocks may be locked at once (reserved buffers)
+ *
+ * Context: may sleep.  Returns the block manager or an ERR_PTR.
+ */
+struct tsp_block_manager *tsp_bm_create(struct block_device *bdev,
+					unsigned int max_held)
+{
+	struct tsp_block_manager *bm;
+
+	bm = kzalloc(sizeof(*bm), GFP_KERNEL);
+	if (!bm)
+		return ERR_PTR(-ENOMEM);
+
+	bm->bufio = dm_bufio_client_create(bdev, TSP_METADATA_BLOCK_SIZE,
+					   max_held, sizeof(struct bm_aux),
+					   bm_alloc_callback, bm_write_callback,
+					   0);
+	if (IS_ERR(bm->bufio)) {
+		long r = PTR_ERR(bm->bufio);
+
+		kfree(bm);
+		return ERR_PTR(r);
+	}
+
+	return bm;
+}
+
+void tsp_bm_destroy(struct tsp_block_manager *bm)
+{
+	dm_bufio_client_destroy(bm->bufio);
+	kfree(bm);
+}
+
+tsp_block_t tsp_bm_nr_blocks(struct tsp_block_manager *bm)
+{
+	return dm_bufio_get_device_size(bm->bufio);
+}
+
+/*
+ * Check a freshly read buffer with @v, or confirm it was already checked
+ * as the same kind.  A NULL @v reads the raw block (superblock probing).
+ */
+static int bm_validate(struct dm_buffer *buf, const struct tsp_block_validator *v)
+{
+	struct bm_aux *aux = buffer_aux(buf);
+	int r;
+
+	if (!v || aux->validator == v)
+		return 0;
+
+	if (aux->validator) {
+		DMERR("block %llu was read as %s, now asked for as %s",
+		      (unsigned long long)dm_bufio_get_block_number(buf),
+		      aux->validator->name, v->name);
+		return -EINVAL;
+	}
+
+	r = v->check(v, (struct tsp_block *)buf, TSP_METADATA_BLOCK_SIZE);
+	if (r) {
+		DMERR("%s block %llu failed its check (%d)", v->name,
+		      (unsigned long long)dm_bufio_get_block_number(buf), r);
+		return r;
+	}
+	aux->validator = v;
+	return 0;
+}
+
+static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
+		   const struct tsp_block_validator *v, bool write, bool zero,
+		   struct tsp_block **result)
+{
+	struct dm_buffer *buf;
+	struct bm_aux *aux;
+	void *p;
+	int r;
+
+	if (write && bm->read_only)
+		return -EPERM;
+
+	if (b >= tsp_bm_nr_blocks(bm)) {
+		DMERR("metadata block %llu is beyond the end of the device (%llu blocks)",
+		      (unsigned long long)b,
+		      (unsigned long long)tsp_bm_nr_blocks(bm));
+		return -EILSEQ;
+	}
+
+	if (zero)
+		p = dm_bufio_new(bm->bufio, b, &buf);
+	else
+		p = dm_bufio_read(bm->bufio, b, &buf);
+	if (IS_ERR(p))
+		return PTR_ERR(p);
+
+	aux = buffer_aux(buf);
+	if (zero) {
+		memset(p, 0, TSP_METADATA_BLOCK_SIZE);
+		aux->validator = v;
+	} else {
+		r = bm_validate(buf, v);
+		if (r) {
+			dm_bufio_release(buf);
+			dm_bufio_forget(bm->bufio, b);
+			return r;
+		}
+	}
+
+	aux->write_locked = write;
+	*result = (struct tsp_block *)buf;
+	return 0;
+}
+
+/**
+ * tsp_bm_read_lock - read a block and check it
+ * @bm: block manager
+ * @b: block number
+ * @v: the kind of block expected, or NULL for the raw contents
+ * @result: the locked block; release with tsp_bm_unlock()
+ *
+ * Context: may sleep.  Returns 0, -EILSEQ (failed the check, or beyond
+ * the device), -EINVAL (already known as another kind) or an IO error.
+ */
+int tsp_bm_read_lock(struct tsp_block_manager *bm, tsp_block_t b,
+		     const struct tsp_block_validator *v,
+		     struct tsp_block **result)
+{
+	return bm_lock(bm, b, v, false, false, result);
+}
+
+/* As tsp_bm_read_lock(), for writing; -EPERM when read only. */
+int tsp_bm_write_lock(struct tsp_block_manager *bm, tsp_block_t b,
+		      const struct tsp_block_validator *v,
+		      struct tsp_block **result)
+{
+	return bm_lock(bm, b, v, true, false, result);
+}
+
+/* Write lock a block without reading it; its contents start zeroed. */
+int tsp_bm_write_lock_zero(struct tsp_block_manager *bm, tsp_block_t b,
+			   const struct tsp_block_validator *v,
+			   struct tsp_block **result)
+{
+	return bm_lock(bm, b, v, true, true, result);
+}
+
+/* Release a lock; a write locked block becomes dirty. */
+void tsp_bm_unlock(struct tsp_block *b)
+{
+	struct dm_buffer *buf = to_buffer(b);
+	struct bm_aux *aux = buffer_aux(buf);
+
+	if (aux->write_locked) {
+		dm_bufio_mark_buffer_dirty(buf);
+		aux->write_locked = false;
+	}
+	dm_bufio_release(buf);
+}
+
+/**
+ * tsp_bm_flush - write every dirty block and flush the device cache
+ * @bm: block manager
+ *
+ * Locked blocks are not dirty yet and are not written.  Context: may
+ * sleep.  Returns 0 or an IO error.
+ */
+int tsp_bm_flush(struct tsp_block_manager *bm)
+{
+	if (bm->read_only)
+		return -EPERM;
+	return dm_bufio_write_dirty_buffers(bm->bufio);
+}
+
+/* Drop a cached block, e.g. after it failed a check. */
+void tsp_bm_forget(struct tsp_block_manager *bm, tsp_block_t b)
+{
+	dm_bufio_forget(bm->bufio, b);
+}
+
+void tsp_bm_set_read_only(struct tsp_block_manager *bm)
+{
+	bm->read_only = true;
+}
+
+bool tsp_bm_is_read_only(struct tsp_block_manager *bm)
+{
+	return bm->read_only;
+}
+
+tsp_block_t tsp_block_location(struct tsp_block *b)
+{
+	return dm_bufio_get_block_number(to_buffer(b));
+}
+
+void *tsp_block_data(struct tsp_block *b)
+{
+	return dm_bufio_get_block_data(to_buffer(b));
+}
+
+/**
+ * tsp_bm_checksum - dm-thin's metadata checksum
+ * @data: bytes to sum
+ * @len: their length
+ * @init_xor: the per-kind salt
+ *
+ * crc32c seeded with ~0, without the final inversion, xor the salt.
+ */
+u32 tsp_bm_checksum(const void *data, size_t len, u32 init_xor)
+{
+	return crc32c(~(u32)0, data, len) ^ init_xor;
+}

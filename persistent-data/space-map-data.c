@@ -1,0 +1,503 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * space-map-data.c - reference counts of data blocks, kept on disk in
+ * dm-thin's layout and updated through the transaction manager.
+ *
+ * Bitmap blocks are shadowed like any metadata block when a count
+ * changes.  The index entries (where each bitmap is, how many entries
+ * are free) are cached in memory, written to the index btree at commit.
+ * A copy of the entries as last committed lets allocation skip blocks
+ * that are free now but still mapped in the committed metadata: reusing
+ * one before the commit would let a crash expose new data through the
+ * old mapping.
+ *
+ * Locking: none; the caller serialises.
+ */
+#define DM_MSG_PREFIX "thin-scalable metadata"
+
+#include "space-map.h"
+#include "space-map-format.h"
+#include "btree.h"
+
+struct tsp_data_sm {
+	struct tsp_tm *tm;
+	struct tsp_btree_info index_info;	/* bitmap nr -> index entry */
+	struct tsp_btree_info ref_info;		/* block -> count (>= 3) */
+	tsp_block_t nr_blocks;
+	tsp_block_t nr_allocated;
+	tsp_block_t index_root;
+	tsp_block_t ref_root;
+	u64 nr_bitmaps;
+	struct tsp_index_entry *index;		/* now */
+	struct tsp_index_entry *committed;	/* at the last commit */
+	u8 *dirty;				/* index entry changed */
+	u64 alloc_hint;				/* bitmap to search first */
+};
+
+static u64 nr_bitmaps(tsp_block_t nr_blocks)
+{
+	return DIV_ROUND_UP(nr_blocks, TSP_ENTRIES_PER_BITMAP);
+}
+
+static u32 bitmap_entries(tsp_block_t nr_blocks, u64 i)
+{
+	return (u32)min_t(tsp_block_t, TSP_ENTRIES_PER_BITMAP,
+			  nr_blocks - i * TSP_ENTRIES_PER_BITMAP);
+}
+
+static struct tsp_data_sm *sm_alloc(struct tsp_tm *tm)
+{
+	struct tsp_data_sm *sm = kzalloc(sizeof(*sm), GFP_KERNEL);
+
+	if (!sm)
+		return NULL;
+	sm->tm = tm;
+	sm->index_info.tm = tm;
+	sm->index_info.vt.size = sizeof(struct tsp_disk_index_entry);
+	sm->ref_info.tm = tm;
+	sm->ref_info.vt.size = sizeof(__le32);
+	return sm;
+}
+
+/* Resize the in-core index arrays to @nr entries, keeping what is there. */
+static int resize_index(struct tsp_data_sm *sm, u64 nr)
+{
+	struct tsp_index_entry *index, *committed;
+	u8 *dirty;
+
+	index = kvcalloc(nr, sizeof(*index), GFP_KERNEL);
+	committed = kvcalloc(nr, sizeof(*committed), GFP_KERNEL);
+	dirty = kvzalloc(nr, GFP_KERNEL);
+	if (!index || !committed || !dirty) {
+		kvfree(index);
+		kvfree(committed);
+		kvfree(dirty);
+		return -ENOMEM;
+	}
+	if (sm->index) {
+		memcpy(index, sm->index, sm->nr_bitmaps * sizeof(*index));
+		memcpy(committed, sm->committed, sm->nr_bitmaps * sizeof(*committed));
+		memcpy(dirty, sm->dirty, sm->nr_bitmaps);
+		kvfree(sm->index);
+		kvfree(sm->committed);
+		kvfree(sm->dirty);
+	}
+	sm->index = index;
+	sm->committed = committed;
+	sm->dirty = dirty;
+	sm->nr_bitmaps = nr;
+	return 0;
+}
+
+void tsp_data_sm_destroy(struct tsp_data_sm *sm)
+{
+	kvfree(sm->index);
+	kvfree(sm->committed);
+	kvfree(sm->dirty);
+	kfree(sm);
+}
+
+/**
+ * tsp_data_sm_extend - grow the space map
+ * @sm: space map
+ * @nr_blocks: the new number of data blocks
+ *
+ * New bitmaps are allocated now; their index entries are written at the
+ * next commit.  Returns 0, -EINVAL to shrink, -ENOMEM or -ENOSPC; after
+ * an error the transaction must be aborted.
+ */
+int tsp_data_sm_extend(struct tsp_data_sm *sm, tsp_block_t nr_blocks)
+{
+	u64 i, old_nr = sm->nr_bitmaps;
+	struct tsp_block *blk;
+	int r;
+
+	if (nr_blocks < sm->nr_blocks)
+		return -EINVAL;
+	if (nr_blocks == sm->nr_blocks)
+		return 0;
+
+	r = resize_index(sm, nr_bitmaps(nr_blocks));
+	if (r)
+		return r;
+
+	if (old_nr) {
+		/* The last old bitmap gains entries, all free. */
+		i = old_nr - 1;
+		sm->index[i].nr_free += bitmap_entries(nr_blocks, i) -
+					bitmap_entries(sm->nr_blocks, i);
+		sm->dirty[i] = 1;
+	}
+	for (i = old_nr; i < sm->nr_bitmaps; i++) {
+		r = tsp_tm_new_block(sm->tm, &tsp_bitmap_validator, &blk);
+		if (r)
+			return r;
+		sm->index[i].blocknr = tsp_block_location(blk);
+		sm->index[i].nr_free = bitmap_entries(nr_blocks, i);
+		sm->index[i].none_free_before = 0;
+		sm->dirty[i] = 1;
+		tsp_tm_unlock(sm->tm, blk);
+	}
+	sm->nr_blocks = nr_blocks;
+	return 0;
+}
+
+/**
+ * tsp_data_sm_create - see space-map.h
+ * @tm: transaction manager
+ * @nr_blocks: data blocks
+ * @result: out
+ */
+int tsp_data_sm_create(struct tsp_tm *tm, tsp_block_t nr_blocks,
+		       struct tsp_data_sm **result)
+{
+	struct tsp_data_sm *sm = sm_alloc(tm);
+	int r;
+
+	if (!sm)
+		return -ENOMEM;
+	r = tsp_btree_empty(&sm->index_info, &sm->index_root);
+	if (!r)
+		r = tsp_btree_empty(&sm->ref_info, &sm->ref_root);
+	if (!r)
+		r = tsp_data_sm_extend(sm, nr_blocks);
+	if (r) {
+		tsp_data_sm_destroy(sm);
+		return r;
+	}
+	*result = sm;
+	return 0;
+}
+
+static int load_index_entry(void *context, u64 key, void *value)
+{
+	struct tsp_data_sm *sm = context;
+	struct tsp_index_entry *ie;
+
+	if (key >= sm->nr_bitmaps || sm->index[key].blocknr) {
+		DMERR("data space map index has a bad or repeated entry %llu",
+		      (unsigned long long)key);
+		return -EILSEQ;
+	}
+	ie = &sm->index[key];
+	tsp_index_entry_unpack(value, ie);
+	if (!ie->blocknr || ie->nr_free > bitmap_entries(sm->nr_blocks, key)) {
+		DMERR("data space map index entry %llu is corrupt",
+		      (unsigned long long)key);
+		return -EILSEQ;
+	}
+	return 0;
+}
+
+/**
+ * tsp_data_sm_open - see space-map.h
+ * @tm: transaction manager
+ * @root: the root from the superblock
+ * @result: out
+ */
+int tsp_data_sm_open(struct tsp_tm *tm, const void *root,
+		     struct tsp_data_sm **result)
+{
+	struct tsp_disk_sm_root disk_root;
+	struct tsp_data_sm *sm = sm_alloc(tm);
+	u64 i;
+	int r;
+
+	if (!sm)
+		return -ENOMEM;
+	memcpy(&disk_root, root, sizeof(disk_root));
+	sm->nr_blocks = le64_to_cpu(disk_root.nr_blocks);
+	sm->nr_allocated = le64_to_cpu(disk_root.nr_allocated);
+	sm->index_root = le64_to_cpu(disk_root.bitmap_root);
+	sm->ref_root = le64_to_cpu(disk_root.ref_count_root);
+	if (sm->nr_allocated > sm->nr_blocks ||
+	    nr_bitmaps(sm->nr_blocks) > tsp_bm_nr_blocks(tsp_tm_bm(tm))) {
+		DMERR("data space map root is corrupt (%llu of %llu blocks allocated)",
+		      (unsigned long long)sm->nr_allocated,
+		      (unsigned long long)sm->nr_blocks);
+		r = -EILSEQ;
+		goto bad;
+	}
+
+	r = resize_index(sm, nr_bitmaps(sm->nr_blocks));
+	if (!r)
+		r = tsp_btree_walk(&sm->index_info, sm->index_root,
+				   load_index_entry, sm);
+	for (i = 0; !r && i < sm->nr_bitmaps; i++) {
+		if (!sm->index[i].blocknr) {
+			DMERR("data space map index lacks bitmap %llu",
+			      (unsigned long long)i);
+			r = -EILSEQ;
+		}
+	}
+	if (r)
+		goto bad;
+	memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
+
+	*result = sm;
+	return 0;
+bad:
+	tsp_data_sm_destroy(sm);
+	return r;
+}
+
+tsp_block_t tsp_data_sm_nr_blocks(struct tsp_data_sm *sm)
+{
+	return sm->nr_blocks;
+}
+
+tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm)
+{
+	return sm->nr_blocks - sm->nr_allocated;
+}
+
+static int check_block(struct tsp_data_sm *sm, tsp_block_t b)
+{
+	if (b < sm->nr_blocks)
+		return 0;
+	DMERR("data block %llu is beyond the end of the data device (%llu blocks)",
+	      (unsigned long long)b, (unsigned long long)sm->nr_blocks);
+	return -EINVAL;
+}
+
+/* The 2-bit entry of @b in the bitmap at @loc. */
+static int bitmap_entry(struct tsp_data_sm *sm, tsp_block_t loc, tsp_block_t b,
+			unsigned int *entry)
+{
+	struct tsp_block *blk;
+	int r;
+
+	r = tsp_tm_read_lock(sm->tm, loc, &tsp_bitmap_validator, &blk);
+	if (r)
+		return r;
+	*entry = tsp_bitmap_get(tsp_block_data(blk), b % TSP_ENTRIES_PER_BITMAP);
+	tsp_tm_unlock(sm->tm, blk);
+	return 0;
+}
+
+/**
+ * tsp_data_sm_get_count - a data block's reference count
+ * @sm: space map
+ * @b: data block
+ * @count: out
+ */
+int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
+{
+	unsigned int entry;
+	__le32 v;
+	int r;
+
+	r = check_block(sm, b);
+	if (!r)
+		r = bitmap_entry(sm, sm->index[b / TSP_ENTRIES_PER_BITMAP].blocknr,
+				 b, &entry);
+	if (r)
+		return r;
+	if (entry < 3) {
+		*count = entry;
+		return 0;
+	}
+
+	r = tsp_btree_lookup(&sm->ref_info, sm->ref_root, b, &v);
+	if (r == -ENODATA) {
+		DMERR("data block %llu has no overflow reference count",
+		      (unsigned long long)b);
+		return -EILSEQ;
+	}
+	if (!r)
+		*count = le32_to_cpu(v);
+	return r;
+}
+
+/* Change @b's count from @old to @count in bitmap, index and overflow. */
+static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
+{
+	struct tsp_index_entry *ie = &sm->index[b / TSP_ENTRIES_PER_BITMAP];
+	u32 pos = b % TSP_ENTRIES_PER_BITMAP;
+	struct tsp_block *blk;
+	bool inc;
+	int r;
+
+	if (min(old, 3u) != min(count, 3u)) {
+		r = tsp_tm_shadow_block(sm->tm, ie->blocknr, &tsp_bitmap_validator,
+					&blk, &inc);
+		if (r)
+			return r;
+		ie->blocknr = tsp_block_location(blk);
+		tsp_bitmap_set(tsp_block_data(blk), pos, min(count, 3u));
+		tsp_tm_unlock(sm->tm, blk);
+		sm->dirty[b / TSP_ENTRIES_PER_BITMAP] = 1;
+	}
+
+	if (!old && count) {
+		ie->nr_free--;
+		if (pos == ie->none_free_before)
+			ie->none_free_before = pos + 1;
+		sm->nr_allocated++;
+	} else if (old && !count) {
+		ie->nr_free++;
+		ie->none_free_before = min(ie->none_free_before, pos);
+		sm->nr_allocated--;
+	}
+
+	if (count >= 3) {
+		__le32 v = cpu_to_le32(count);
+
+		return tsp_btree_insert(&sm->ref_info, sm->ref_root, b, &v,
+					&sm->ref_root, NULL);
+	}
+	if (old >= 3)
+		return tsp_btree_remove(&sm->ref_info, sm->ref_root, b,
+					&sm->ref_root);
+	return 0;
+}
+
+int tsp_data_sm_inc(struct tsp_data_sm *sm, tsp_block_t b)
+{
+	u32 old;
+	int r = tsp_data_sm_get_count(sm, b, &old);
+
+	if (r)
+		return r;
+	if (old == U32_MAX)
+		return -EOVERFLOW;
+	return set_count(sm, b, old, old + 1);
+}
+
+int tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b)
+{
+	u32 old;
+	int r = tsp_data_sm_get_count(sm, b, &old);
+
+	if (r)
+		return r;
+	if (!old) {
+		DMERR("data block %llu is freed more often than referenced",
+		      (unsigned long long)b);
+		return -EILSEQ;
+	}
+	return set_count(sm, b, old, old - 1);
+}
+
+/*
+ * A block of bitmap @i free now and at the last commit; -ENOSPC if none.
+ */
+static int find_free_in(struct tsp_data_sm *sm, u64 i, tsp_block_t *result)
+{
+	struct tsp_index_entry *ie = &sm->index[i];
+	tsp_block_t old_loc = sm->committed[i].blocknr;
+	struct tsp_block *now, *then = NULL;
+	u32 j, nr = bitmap_entries(sm->nr_blocks, i);
+	int r;
+
+	r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator, &now);
+	if (r)
+		return r;
+	if (old_loc && old_loc != ie->blocknr) {
+		r = tsp_tm_read_lock(sm->tm, old_loc, &tsp_bitmap_validator, &then);
+		if (r) {
+			tsp_tm_unlock(sm->tm, now);
+			return r;
+		}
+	}
+
+	r = -ENOSPC;
+	for (j = ie->none_free_before; j < nr; j++) {
+		if (tsp_bitmap_get(tsp_block_data(now), j))
+			continue;
+		if (then && tsp_bitmap_get(tsp_block_data(then), j))
+			continue;
+		*result = i * TSP_ENTRIES_PER_BITMAP + j;
+		r = 0;
+		break;
+	}
+
+	if (then)
+		tsp_tm_unlock(sm->tm, then);
+	tsp_tm_unlock(sm->tm, now);
+	return r;
+}
+
+/**
+ * tsp_data_sm_new_block - allocate a data block
+ * @sm: space map
+ * @b: out, a block whose count is now 1
+ *
+ * Returns 0 or -ENOSPC.  Cost: the index is scanned from where the last
+ * allocation succeeded, reading the bitmaps that have free entries.
+ */
+int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
+{
+	u64 k, i;
+	int r;
+
+	for (k = 0; k < sm->nr_bitmaps; k++) {
+		i = (sm->alloc_hint + k) % sm->nr_bitmaps;
+		if (!sm->index[i].nr_free)
+			continue;
+		r = find_free_in(sm, i, b);
+		if (r == -ENOSPC)
+			continue;
+		if (r)
+			return r;
+		sm->alloc_hint = i;
+		return set_count(sm, *b, 0, 1);
+	}
+	return -ENOSPC;
+}
+
+/**
+ * tsp_data_sm_commit - write the index entries that changed
+ * @sm: space map
+ * @root: out, TSP_SM_ROOT_SIZE bytes for the superblock
+ */
+int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
+{
+	struct tsp_disk_sm_root disk_root;
+	struct tsp_disk_index_entry disk;
+	u64 i;
+	int r;
+
+	for (i = 0; i < sm->nr_bitmaps; i++) {
+		if (!sm->dirty[i])
+			continue;
+		tsp_index_entry_pack(&sm->index[i], &disk);
+		r = tsp_btree_insert(&sm->index_info, sm->index_root, i, &disk,
+				     &sm->index_root, NULL);
+		if (r)
+			return r;
+		sm->dirty[i] = 0;
+	}
+	memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
+
+	memset(root, 0, TSP_SM_ROOT_SIZE);
+	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);
+	disk_root.nr_allocated = cpu_to_le64(sm->nr_allocated);
+	disk_root.bitmap_root = cpu_to_le64(sm->index_root);
+	disk_root.ref_count_root = cpu_to_le64(sm->ref_root);
+	memcpy(root, &disk_root, sizeof(disk_root));
+	return 0;
+}
+
+/**
+ * tsp_data_sm_walk_own_blocks - report the metadata blocks of the map
+ * @sm: space map (as opened or committed)
+ * @fn: called per reference, as tsp_btree_check()'s node_fn
+ * @context: for @fn
+ *
+ * Also checks the structure of the index and overflow btrees.
+ */
+int tsp_data_sm_walk_own_blocks(struct tsp_data_sm *sm,
+				int (*fn)(void *context, tsp_block_t b),
+				void *context)
+{
+	u64 i;
+	int r;
+
+	r = tsp_btree_check(&sm->index_info, sm->index_root, fn, NULL, context);
+	for (i = 0; r >= 0 && i < sm->nr_bitmaps; i++)
+		r = fn(context, sm->index[i].blocknr);
+	if (r < 0)
+		return r;
+	return tsp_btree_check(&sm->ref_info, sm->ref_root, fn, NULL, context);
+}

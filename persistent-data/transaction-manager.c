@@ -1,0 +1,263 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * transaction-manager.c - shadowing and two-phase commit of metadata.
+ *
+ * Rule: a block that the last committed superblock can reach is never
+ * written.  Whether a block can be reached is answered by the metadata
+ * space map: a block in use now but not at the last commit was allocated
+ * in this transaction.  Such a block, if referenced once, is modified in
+ * place; anything else is copied to a new block first (shadowed).
+ *
+ * Commit: the metadata space map writes itself (allocating its own new
+ * blocks first), every dirty block is written and the device flushed;
+ * then the caller fills in the superblock, which we write and flush.
+ *
+ * Locking: none; the caller serialises every call.
+ */
+#define DM_MSG_PREFIX "thin-scalable metadata"
+
+#include "transaction-manager.h"
+#include "space-map-metadata.h"
+
+/* Fewer blocks than this cannot hold even an empty pool. */
+#define MIN_METADATA_BLOCKS 16
+
+struct tsp_tm {
+	struct tsp_block_manager *bm;
+	struct tsp_metadata_sm *sm;
+	tsp_block_t sb_location;
+};
+
+static tsp_block_t usable_blocks(struct tsp_block_manager *bm)
+{
+	return min_t(tsp_block_t, tsp_bm_nr_blocks(bm),
+		     (tsp_block_t)TSP_TM_MAX_BLOCKS);
+}
+
+/**
+ * tsp_tm_create - see transaction-manager.h
+ * @bm: block manager
+ * @sb_location: the superblock's block
+ * @result: out
+ */
+int tsp_tm_create(struct tsp_block_manager *bm, tsp_block_t sb_location,
+		  struct tsp_tm **result)
+{
+	struct tsp_tm *tm;
+	int r;
+
+	if (usable_blocks(bm) < MIN_METADATA_BLOCKS) {
+		DMERR("metadata device too small: %llu blocks",
+		      (unsigned long long)tsp_bm_nr_blocks(bm));
+		return -ENOSPC;
+	}
+
+	tm = kzalloc(sizeof(*tm), GFP_KERNEL);
+	if (!tm)
+		return -ENOMEM;
+	tm->bm = bm;
+	tm->sb_location = sb_location;
+	tm->sm = tsp_msm_create(usable_blocks(bm));
+	if (!tm->sm) {
+		kfree(tm);
+		return -ENOMEM;
+	}
+	r = tsp_msm_inc(tm->sm, sb_location);
+	if (r) {
+		tsp_tm_destroy(tm);
+		return r;
+	}
+
+	*result = tm;
+	return 0;
+}
+
+/**
+ * tsp_tm_open - see transaction-manager.h
+ * @bm: block manager
+ * @sb_location: the superblock's block
+ * @sm_root: the metadata space map root from the superblock
+ * @result: out
+ */
+int tsp_tm_open(struct tsp_block_manager *bm, tsp_block_t sb_location,
+		const void *sm_root, struct tsp_tm **result)
+{
+	struct tsp_tm *tm;
+	int r;
+
+	tm = kzalloc(sizeof(*tm), GFP_KERNEL);
+	if (!tm)
+		return -ENOMEM;
+	tm->bm = bm;
+	tm->sb_location = sb_location;
+
+	r = tsp_msm_open(tm, sm_root, &tm->sm);
+	if (r) {
+		kfree(tm);
+		return r;
+	}
+	if (!tsp_msm_count(tm->sm, sb_location)) {
+		DMERR("metadata space map does not account for the superblock");
+		tsp_tm_destroy(tm);
+		return -EILSEQ;
+	}
+
+	*result = tm;
+	return 0;
+}
+
+void tsp_tm_destroy(struct tsp_tm *tm)
+{
+	if (tm->sm)
+		tsp_msm_destroy(tm->sm);
+	kfree(tm);
+}
+
+struct tsp_block_manager *tsp_tm_bm(struct tsp_tm *tm)
+{
+	return tm->bm;
+}
+
+int tsp_tm_pre_commit(struct tsp_tm *tm, void *sm_root)
+{
+	int r = tsp_msm_commit(tm->sm, tm, sm_root);
+
+	return r ? r : tsp_bm_flush(tm->bm);
+}
+
+int tsp_tm_commit(struct tsp_tm *tm, struct tsp_block *superblock)
+{
+	int r;
+
+	if (WARN_ON(tsp_block_location(superblock) != tm->sb_location)) {
+		tsp_bm_unlock(superblock);
+		return -EINVAL;
+	}
+
+	tsp_bm_unlock(superblock);
+	r = tsp_bm_flush(tm->bm);
+	if (!r)
+		tsp_msm_committed(tm->sm);
+	return r;
+}
+
+int tsp_tm_new_block(struct tsp_tm *tm, const struct tsp_block_validator *v,
+		     struct tsp_block **result)
+{
+	tsp_block_t b;
+	int r;
+
+	r = tsp_msm_new_block(tm->sm, &b);
+	if (r)
+		return r;
+
+	r = tsp_bm_write_lock_zero(tm->bm, b, v, result);
+	if (r)
+		WARN_ON(tsp_msm_dec(tm->sm, b));
+	return r;
+}
+
+/**
+ * tsp_tm_shadow_block - see transaction-manager.h
+ * @tm: transaction manager
+ * @orig: the block
+ * @v: its validator
+ * @result: out, the writable block
+ * @inc_children: out, whether the caller must add references for what
+ *	the copy points to
+ */
+int tsp_tm_shadow_block(struct tsp_tm *tm, tsp_block_t orig,
+			const struct tsp_block_validator *v,
+			struct tsp_block **result, bool *inc_children)
+{
+	struct tsp_block *orig_blk;
+	u32 count = tsp_msm_count(tm->sm, orig);
+	int r;
+
+	if (!count) {
+		DMERR("%s block %llu is referenced but free in the space map",
+		      v->name, (unsigned long long)orig);
+		return -EILSEQ;
+	}
+
+	*inc_children = false;
+	if (count == 1 && tsp_msm_is_new(tm->sm, orig))
+		return tsp_bm_write_lock(tm->bm, orig, v, result);
+
+	r = tsp_bm_read_lock(tm->bm, orig, v, &orig_blk);
+	if (r)
+		return r;
+	r = tsp_tm_new_block(tm, v, result);
+	if (r) {
+		tsp_bm_unlock(orig_blk);
+		return r;
+	}
+	memcpy(tsp_block_data(*result), tsp_block_data(orig_blk),
+	       TSP_METADATA_BLOCK_SIZE);
+	tsp_bm_unlock(orig_blk);
+
+	r = tsp_msm_dec(tm->sm, orig);
+	if (r) {
+		tsp_bm_unlock(*result);
+		return r;
+	}
+	*inc_children = count > 1;
+	return 0;
+}
+
+int tsp_tm_read_lock(struct tsp_tm *tm, tsp_block_t b,
+		     const struct tsp_block_validator *v,
+		     struct tsp_block **result)
+{
+	return tsp_bm_read_lock(tm->bm, b, v, result);
+}
+
+void tsp_tm_unlock(struct tsp_tm *tm, struct tsp_block *b)
+{
+	tsp_bm_unlock(b);
+}
+
+int tsp_tm_inc(struct tsp_tm *tm, tsp_block_t b)
+{
+	return tsp_msm_inc(tm->sm, b);
+}
+
+int tsp_tm_dec(struct tsp_tm *tm, tsp_block_t b)
+{
+	return tsp_msm_dec(tm->sm, b);
+}
+
+int tsp_tm_ref(struct tsp_tm *tm, tsp_block_t b, u32 *count)
+{
+	if (b >= tsp_msm_nr_blocks(tm->sm)) {
+		DMERR("metadata block %llu is beyond the metadata space map",
+		      (unsigned long long)b);
+		return -EILSEQ;
+	}
+	*count = tsp_msm_count(tm->sm, b);
+	return 0;
+}
+
+tsp_block_t tsp_tm_nr_blocks(struct tsp_tm *tm)
+{
+	return tsp_msm_nr_blocks(tm->sm);
+}
+
+tsp_block_t tsp_tm_nr_free(struct tsp_tm *tm)
+{
+	return tsp_msm_nr_free(tm->sm);
+}
+
+int tsp_tm_extend(struct tsp_tm *tm, tsp_block_t nr_blocks)
+{
+	if (nr_blocks > tsp_bm_nr_blocks(tm->bm))
+		return -EINVAL;
+	return tsp_msm_extend(tm->sm, min_t(tsp_block_t, nr_blocks,
+					    TSP_TM_MAX_BLOCKS));
+}
+
+int tsp_tm_walk_sm_blocks(struct tsp_tm *tm,
+			  int (*fn)(void *context, tsp_block_t b), void *context)
+{
+	return tsp_msm_walk_own_blocks(tm->sm, tm, fn, context);
+}
