@@ -62,6 +62,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+/*
+ * __le16/32/64 come from here: glibc pulls it in anyway (<sys/stat.h> under
+ * _GNU_SOURCE), so defining our own would clash.
+ */
+#include <linux/types.h>
 
 typedef uint8_t u8;
 typedef uint16_t u16;
@@ -69,9 +74,6 @@ typedef uint32_t u32;
 typedef uint64_t u64;
 typedef int32_t s32;
 typedef int64_t s64;
-typedef uint16_t __le16;
-typedef uint32_t __le32;
-typedef uint64_t __le64;
 typedef uint64_t sector_t;
 typedef unsigned int gfp_t;
 
