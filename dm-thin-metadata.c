@@ -1,0 +1,1779 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * dm-thin-metadata.c - a pool's metadata in dm-thin's on-disk format.
+ *
+ * Glossary:
+ *   superblock     block 0: roots of everything below, the transaction id,
+ *                  the snapshot time, the held root
+ *   mapping tree   two levels: dev id -> root of the device's tree of
+ *                  virtual block -> (data block << 24 | time)
+ *   details tree   dev id -> mapped blocks, transaction id, creation and
+ *                  snapshotted times
+ *   time           a counter bumped by every snapshot; a mapping made
+ *                  before its device's snapshotted_time may be shared
+ *   held root      a copy of the superblock whose trees are kept alive
+ *                  for thin_dump -m on a live pool (metadata snapshot)
+ *
+ * A snapshot shares the origin's whole mapping tree by adding a reference
+ * to its root; the btree copies nodes as either side is written.
+ *
+ * Locking: @root_lock, a rw_semaphore, protects everything in struct
+ * tsp_pool_metadata and struct tsp_thin_device.  Public functions take it
+ * (shared for lookups, exclusive for updates) and call a __name() helper
+ * that asserts it is held.  Every function may sleep.
+ */
+#define DM_MSG_PREFIX "thin-scalable metadata"
+
+#include "dm-thin-metadata.h"
+#include "persistent-data/btree.h"
+#include "persistent-data/space-map.h"
+
+#define THIN_SUPERBLOCK_MAGIC 27022010
+#define THIN_SUPERBLOCK_LOCATION 0
+#define THIN_VERSION 2
+#define THIN_MIN_VERSION 1
+#define SUPERBLOCK_CSUM_XOR 160774
+#define THIN_METADATA_CACHE_BLOCKS 64
+#define THIN_NEEDS_CHECK_FLAG 1
+#define TIME_BITS 24
+
+struct thin_disk_superblock {
+	__le32 csum;
+	__le32 flags;
+	__le64 blocknr;
+	u8 uuid[16];
+	__le64 magic;
+	__le32 version;
+	__le32 time;
+	__le64 trans_id;
+	__le64 held_root;
+	u8 data_space_map_root[TSP_SM_ROOT_SIZE];
+	u8 metadata_space_map_root[TSP_SM_ROOT_SIZE];
+	__le64 data_mapping_root;
+	__le64 device_details_root;
+	__le32 data_block_size;		/* sectors */
+	__le32 metadata_block_size;	/* sectors */
+	__le64 metadata_nr_blocks;
+	__le32 compat_flags;
+	__le32 compat_ro_flags;
+	__le32 incompat_flags;
+} __packed;
+
+struct disk_device_details {
+	__le64 mapped_blocks;
+	__le64 transaction_id;
+	__le32 creation_time;
+	__le32 snapshotted_time;
+} __packed;
+
+struct tsp_pool_metadata {
+	struct block_device *bdev;
+	struct tsp_block_manager *bm;
+	struct tsp_tm *tm;
+	struct tsp_data_sm *data_sm;
+
+	struct tsp_btree_info tl_info;		/* dev -> mapping tree root */
+	struct tsp_btree_info tl_set_info;	/* the same, to move a root */
+	struct tsp_btree_info bl_info;		/* virt -> mapping */
+	struct tsp_btree_info details_info;	/* dev -> details */
+
+	struct rw_semaphore root_lock;
+	u8 uuid[16];
+	u32 version;
+	u32 flags;
+	u32 time;
+	u64 trans_id;
+	tsp_block_t root;
+	tsp_block_t details_root;
+	tsp_block_t held_root;
+	u32 data_block_size;
+	u32 compat_flags, compat_ro_flags, incompat_flags;
+
+	struct tsp_thin_device *devices;	/* opened or changed */
+	bool changed;		/* anything since the last commit */
+	bool fail_io;		/* an update failed: abort before more */
+	bool read_only;
+};
+
+struct tsp_thin_device {
+	struct tsp_thin_device *next;
+	struct tsp_pool_metadata *pmd;
+	tsp_thin_id id;
+	int open_count;
+	bool changed;
+	u64 mapped_blocks;
+	u64 transaction_id;
+	u32 creation_time;
+	u32 snapshotted_time;
+};
+
+/*----------------------------------------------------------------
+ * Superblock validator
+ *--------------------------------------------------------------*/
+static void sb_prepare_for_write(const struct tsp_block_validator *v,
+				 struct tsp_block *b, size_t block_size)
+{
+	struct thin_disk_superblock *sb = tsp_block_data(b);
+
+	sb->blocknr = cpu_to_le64(tsp_block_location(b));
+	sb->csum = cpu_to_le32(tsp_bm_checksum(&sb->flags,
+					       block_size - sizeof(__le32),
+					       SUPERBLOCK_CSUM_XOR));
+}
+
+static int sb_check(const struct tsp_block_validator *v, struct tsp_block *b,
+		    size_t block_size)
+{
+	struct thin_disk_superblock *sb = tsp_block_data(b);
+	u32 csum;
+
+	if (le64_to_cpu(sb->blocknr) != tsp_block_location(b)) {
+		DMERR("superblock at %llu claims to be at %llu",
+		      (unsigned long long)tsp_block_location(b),
+		      (unsigned long long)le64_to_cpu(sb->blocknr));
+		return -EILSEQ;
+	}
+	if (le64_to_cpu(sb->magic) != THIN_SUPERBLOCK_MAGIC) {
+		DMERR("superblock has bad magic %llu",
+		      (unsigned long long)le64_to_cpu(sb->magic));
+		return -EILSEQ;
+	}
+	csum = tsp_bm_checksum(&sb->flags, block_size - sizeof(__le32),
+			       SUPERBLOCK_CSUM_XOR);
+	if (csum != le32_to_cpu(sb->csum)) {
+		DMERR("superblock has a bad checksum");
+		return -EILSEQ;
+	}
+	return 0;
+}
+
+static const struct tsp_block_validator sb_validator = {
+	.name = "superblock",
+	.prepare_for_write = sb_prepare_for_write,
+	.check = sb_check,
+};
+
+/*----------------------------------------------------------------
+ * Value types
+ *--------------------------------------------------------------*/
+static u64 pack_mapping(tsp_block_t data, u32 time)
+{
+	return (data << TIME_BITS) | time;
+}
+
+static void unpack_mapping(u64 v, tsp_block_t *data, u32 *time)
+{
+	*data = v >> TIME_BITS;
+	*time = v & ((1 << TIME_BITS) - 1);
+}
+
+static int data_block_inc(void *context, const void *value)
+{
+	struct tsp_pool_metadata *pmd = context;
+	tsp_block_t b;
+	__le64 v;
+	u32 t;
+
+	memcpy(&v, value, sizeof(v));
+	unpack_mapping(le64_to_cpu(v), &b, &t);
+	return tsp_data_sm_inc(pmd->data_sm, b);
+}
+
+static int data_block_dec(void *context, const void *value)
+{
+	struct tsp_pool_metadata *pmd = context;
+	tsp_block_t b;
+	__le64 v;
+	u32 t;
+
+	memcpy(&v, value, sizeof(v));
+	unpack_mapping(le64_to_cpu(v), &b, &t);
+	return tsp_data_sm_dec(pmd->data_sm, b);
+}
+
+static int subtree_inc(void *context, const void *value)
+{
+	struct tsp_pool_metadata *pmd = context;
+	__le64 v;
+
+	memcpy(&v, value, sizeof(v));
+	return tsp_tm_inc(pmd->tm, le64_to_cpu(v));
+}
+
+static int subtree_dec(void *context, const void *value)
+{
+	struct tsp_pool_metadata *pmd = context;
+	__le64 v;
+
+	memcpy(&v, value, sizeof(v));
+	return tsp_btree_del(&pmd->bl_info, le64_to_cpu(v));
+}
+
+static void setup_btree_infos(struct tsp_pool_metadata *pmd)
+{
+	pmd->bl_info.tm = pmd->tm;
+	pmd->bl_info.vt.context = pmd;
+	pmd->bl_info.vt.size = sizeof(__le64);
+	pmd->bl_info.vt.inc = data_block_inc;
+	pmd->bl_info.vt.dec = data_block_dec;
+
+	pmd->tl_info.tm = pmd->tm;
+	pmd->tl_info.vt.context = pmd;
+	pmd->tl_info.vt.size = sizeof(__le64);
+	pmd->tl_info.vt.inc = subtree_inc;
+	pmd->tl_info.vt.dec = subtree_dec;
+
+	/*
+	 * Moving a device's root: shadowing the old root already moved the
+	 * top-level tree's reference to the new one, so overwriting must
+	 * not drop another.
+	 */
+	pmd->tl_set_info = pmd->tl_info;
+	pmd->tl_set_info.vt.dec = NULL;
+
+	pmd->details_info.tm = pmd->tm;
+	pmd->details_info.vt.size = sizeof(struct disk_device_details);
+}
+
+/*----------------------------------------------------------------
+ * Open, format, commit, abort
+ *--------------------------------------------------------------*/
+static int superblock_all_zeroes(struct tsp_block_manager *bm, bool *result)
+{
+	struct tsp_block *b;
+	const u8 *data;
+	size_t i;
+	int r;
+
+	r = tsp_bm_read_lock(bm, THIN_SUPERBLOCK_LOCATION, NULL, &b);
+	if (r)
+		return r;
+	data = tsp_block_data(b);
+	*result = true;
+	for (i = 0; i < TSP_METADATA_BLOCK_SIZE; i++) {
+		if (data[i]) {
+			*result = false;
+			break;
+		}
+	}
+	tsp_bm_unlock(b);
+	tsp_bm_forget(bm, THIN_SUPERBLOCK_LOCATION);
+	return 0;
+}
+
+static void destroy_persistent_objects(struct tsp_pool_metadata *pmd)
+{
+	if (pmd->data_sm)
+		tsp_data_sm_destroy(pmd->data_sm);
+	if (pmd->tm)
+		tsp_tm_destroy(pmd->tm);
+	pmd->data_sm = NULL;
+	pmd->tm = NULL;
+}
+
+static int __commit_transaction(struct tsp_pool_metadata *pmd);
+
+static int format_metadata(struct tsp_pool_metadata *pmd,
+			   tsp_block_t nr_data_blocks)
+{
+	int r;
+
+	r = tsp_tm_create(pmd->bm, THIN_SUPERBLOCK_LOCATION, &pmd->tm);
+	if (r)
+		return r;
+	setup_btree_infos(pmd);
+
+	r = tsp_data_sm_create(pmd->tm, nr_data_blocks, &pmd->data_sm);
+	if (!r)
+		r = tsp_btree_empty(&pmd->tl_info, &pmd->root);
+	if (!r)
+		r = tsp_btree_empty(&pmd->details_info, &pmd->details_root);
+	if (r) {
+		DMERR("could not format metadata: %d", r);
+		return r;
+	}
+
+	pmd->version = THIN_VERSION;
+	pmd->changed = true;
+	return __commit_transaction(pmd);
+}
+
+static int read_superblock(struct tsp_pool_metadata *pmd, u32 data_block_size)
+{
+	struct thin_disk_superblock *sb;
+	struct tsp_block *b;
+	int r;
+
+	r = tsp_bm_read_lock(pmd->bm, THIN_SUPERBLOCK_LOCATION, &sb_validator, &b);
+	if (r) {
+		DMERR("could not read the superblock: %d", r);
+		return r;
+	}
+	sb = tsp_block_data(b);
+
+	pmd->version = le32_to_cpu(sb->version);
+	pmd->incompat_flags = le32_to_cpu(sb->incompat_flags);
+	pmd->compat_flags = le32_to_cpu(sb->compat_flags);
+	pmd->compat_ro_flags = le32_to_cpu(sb->compat_ro_flags);
+	pmd->data_block_size = le32_to_cpu(sb->data_block_size);
+	if (pmd->version < THIN_MIN_VERSION || pmd->version > THIN_VERSION) {
+		DMERR("metadata version %u is not supported (%u to %u)",
+		      pmd->version, THIN_MIN_VERSION, THIN_VERSION);
+		r = -EILSEQ;
+	} else if (pmd->incompat_flags) {
+		DMERR("metadata has incompatible features 0x%x", pmd->incompat_flags);
+		r = -EINVAL;
+	} else if (le32_to_cpu(sb->metadata_block_size) != TSP_METADATA_BLOCK_SECTORS) {
+		DMERR("metadata block size %u sectors is not supported",
+		      le32_to_cpu(sb->metadata_block_size));
+		r = -EILSEQ;
+	} else if (pmd->data_block_size < TSP_DATA_BLOCK_SIZE_MIN_SECTORS ||
+		   pmd->data_block_size > TSP_DATA_BLOCK_SIZE_MAX_SECTORS ||
+		   pmd->data_block_size % TSP_DATA_BLOCK_SIZE_MIN_SECTORS) {
+		DMERR("metadata has a bad data block size %u", pmd->data_block_size);
+		r = -EILSEQ;
+	} else if (data_block_size && data_block_size != pmd->data_block_size) {
+		DMERR("data block size %u does not match %u in the metadata",
+		      data_block_size, pmd->data_block_size);
+		r = -EINVAL;
+	}
+	if (r)
+		goto out;
+
+	memcpy(pmd->uuid, sb->uuid, sizeof(pmd->uuid));
+	pmd->flags = le32_to_cpu(sb->flags);
+	pmd->time = le32_to_cpu(sb->time);
+	pmd->trans_id = le64_to_cpu(sb->trans_id);
+	pmd->root = le64_to_cpu(sb->data_mapping_root);
+	pmd->details_root = le64_to_cpu(sb->device_details_root);
+	pmd->held_root = le64_to_cpu(sb->held_root);
+
+	r = tsp_tm_open(pmd->bm, THIN_SUPERBLOCK_LOCATION,
+			sb->metadata_space_map_root, &pmd->tm);
+	if (r) {
+		DMERR("could not open the metadata space map: %d", r);
+		goto out;
+	}
+	setup_btree_infos(pmd);
+	r = tsp_data_sm_open(pmd->tm, sb->data_space_map_root, &pmd->data_sm);
+	if (r)
+		DMERR("could not open the data space map: %d", r);
+out:
+	tsp_bm_unlock(b);
+	return r;
+}
+
+/**
+ * tsp_pool_metadata_open - see dm-thin-metadata.h
+ * @bdev: metadata device
+ * @data_block_size: sectors per data block; 0 takes the one on disk
+ * @nr_data_blocks: data blocks, for a format
+ * @format_device: format an all-zero superblock
+ * @result: out
+ */
+int tsp_pool_metadata_open(struct block_device *bdev, sector_t data_block_size,
+			   tsp_block_t nr_data_blocks, bool format_device,
+			   struct tsp_pool_metadata **result)
+{
+	struct tsp_pool_metadata *pmd;
+	bool zeroes;
+	int r;
+
+	pmd = kzalloc(sizeof(*pmd), GFP_KERNEL);
+	if (!pmd)
+		return -ENOMEM;
+	init_rwsem(&pmd->root_lock);
+	pmd->bdev = bdev;
+	pmd->data_block_size = data_block_size;
+
+	pmd->bm = tsp_bm_create(bdev, THIN_METADATA_CACHE_BLOCKS);
+	if (IS_ERR(pmd->bm)) {
+		r = PTR_ERR(pmd->bm);
+		DMERR("could not create the block manager: %d", r);
+		kfree(pmd);
+		return r;
+	}
+
+	r = superblock_all_zeroes(pmd->bm, &zeroes);
+	if (r) {
+		DMERR("could not read the superblock: %d", r);
+	} else if (zeroes && !format_device) {
+		DMERR("no metadata on the device (superblock is all zeroes)");
+		r = -ENODATA;
+	} else if (zeroes) {
+		if (data_block_size < TSP_DATA_BLOCK_SIZE_MIN_SECTORS ||
+		    data_block_size > TSP_DATA_BLOCK_SIZE_MAX_SECTORS ||
+		    data_block_size % TSP_DATA_BLOCK_SIZE_MIN_SECTORS) {
+			DMERR("bad data block size %llu sectors",
+			      (unsigned long long)data_block_size);
+			r = -EINVAL;
+		} else {
+			r = format_metadata(pmd, nr_data_blocks);
+		}
+	} else {
+		r = read_superblock(pmd, data_block_size);
+	}
+
+	if (r) {
+		destroy_persistent_objects(pmd);
+		tsp_bm_destroy(pmd->bm);
+		kfree(pmd);
+		return r;
+	}
+
+	*result = pmd;
+	return 0;
+}
+
+static void details_unpack(const struct disk_device_details *disk,
+			   struct tsp_thin_details *d)
+{
+	d->mapped_blocks = le64_to_cpu(disk->mapped_blocks);
+	d->transaction_id = le64_to_cpu(disk->transaction_id);
+	d->creation_time = le32_to_cpu(disk->creation_time);
+	d->snapshotted_time = le32_to_cpu(disk->snapshotted_time);
+}
+
+static int write_changed_details(struct tsp_pool_metadata *pmd)
+{
+	struct tsp_thin_device *td, **link;
+	struct disk_device_details disk;
+	int r;
+
+	for (link = &pmd->devices; (td = *link);) {
+		if (td->changed) {
+			disk.mapped_blocks = cpu_to_le64(td->mapped_blocks);
+			disk.transaction_id = cpu_to_le64(td->transaction_id);
+			disk.creation_time = cpu_to_le32(td->creation_time);
+			disk.snapshotted_time = cpu_to_le32(td->snapshotted_time);
+			r = tsp_btree_insert(&pmd->details_info, pmd->details_root,
+					     td->id, &disk, &pmd->details_root, NULL);
+			if (r)
+				return r;
+			td->changed = false;
+		}
+		if (!td->open_count) {
+			*link = td->next;
+			kfree(td);
+		} else {
+			link = &td->next;
+		}
+	}
+	return 0;
+}
+
+static int __commit_transaction(struct tsp_pool_metadata *pmd)
+{
+	u8 data_root[TSP_SM_ROOT_SIZE], meta_root[TSP_SM_ROOT_SIZE];
+	struct thin_disk_superblock *sb;
+	struct tsp_block *b;
+	int r;
+
+	lockdep_assert_held(&pmd->root_lock);
+
+	r = write_changed_details(pmd);
+	if (!r)
+		r = tsp_data_sm_commit(pmd->data_sm, data_root);
+	if (!r)
+		r = tsp_tm_pre_commit(pmd->tm, meta_root);
+	if (!r)
+		r = tsp_bm_write_lock(pmd->bm, THIN_SUPERBLOCK_LOCATION,
+				      &sb_validator, &b);
+	if (r)
+		return r;
+
+	sb = tsp_block_data(b);
+	memset(sb, 0, TSP_METADATA_BLOCK_SIZE);
+	memcpy(sb->uuid, pmd->uuid, sizeof(sb->uuid));
+	sb->flags = cpu_to_le32(pmd->flags);
+	sb->magic = cpu_to_le64(THIN_SUPERBLOCK_MAGIC);
+	sb->version = cpu_to_le32(pmd->version);
+	sb->time = cpu_to_le32(pmd->time);
+	sb->trans_id = cpu_to_le64(pmd->trans_id);
+	sb->held_root = cpu_to_le64(pmd->held_root);
+	memcpy(sb->data_space_map_root, data_root, TSP_SM_ROOT_SIZE);
+	memcpy(sb->metadata_space_map_root, meta_root, TSP_SM_ROOT_SIZE);
+	sb->data_mapping_root = cpu_to_le64(pmd->root);
+	sb->device_details_root = cpu_to_le64(pmd->details_root);
+	sb->data_block_size = cpu_to_le32(pmd->data_block_size);
+	sb->metadata_block_size = cpu_to_le32(TSP_METADATA_BLOCK_SECTORS);
+	sb->metadata_nr_blocks = cpu_to_le64(tsp_tm_nr_blocks(pmd->tm));
+	sb->compat_flags = cpu_to_le32(pmd->compat_flags);
+	sb->compat_ro_flags = cpu_to_le32(pmd->compat_ro_flags);
+	sb->incompat_flags = cpu_to_le32(pmd->incompat_flags);
+
+	r = tsp_tm_commit(pmd->tm, b);
+	if (!r)
+		pmd->changed = false;
+	return r;
+}
+
+/* Every update goes through here: refuse if read only or failed. */
+static int begin_update(struct tsp_pool_metadata *pmd)
+{
+	down_write(&pmd->root_lock);
+	if (pmd->fail_io || pmd->read_only) {
+		up_write(&pmd->root_lock);
+		return -EPERM;
+	}
+	return 0;
+}
+
+/* A failed update leaves the transaction half done: fail until abort. */
+static int end_update(struct tsp_pool_metadata *pmd, int r)
+{
+	if (r && r != -ENODATA && r != -EEXIST && r != -ENODEV &&
+	    r != -EBUSY && r != -EINVAL)
+		pmd->fail_io = true;
+	else if (!r)
+		pmd->changed = true;
+	up_write(&pmd->root_lock);
+	return r;
+}
+
+int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	r = pmd->changed ? __commit_transaction(pmd) : 0;
+	if (r)
+		pmd->fail_io = true;
+	up_write(&pmd->root_lock);
+	return r;
+}
+
+/**
+ * tsp_pool_abort_metadata - drop every uncommitted change
+ * @pmd: pool metadata
+ *
+ * Rereads the last committed superblock.  Open devices keep their
+ * handles, with their details as committed.  Returns 0, or the error
+ * from rereading (the metadata stays failed).
+ */
+int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
+{
+	struct tsp_thin_device *td, **link;
+	struct disk_device_details disk;
+	struct tsp_thin_details d;
+	int r;
+
+	down_write(&pmd->root_lock);
+	if (pmd->read_only) {
+		up_write(&pmd->root_lock);
+		return -EPERM;
+	}
+	destroy_persistent_objects(pmd);
+	pmd->fail_io = true;
+	r = read_superblock(pmd, pmd->data_block_size);
+	if (r) {
+		destroy_persistent_objects(pmd);
+		goto out;
+	}
+
+	for (link = &pmd->devices; (td = *link);) {
+		if (!td->open_count) {
+			*link = td->next;
+			kfree(td);
+			continue;
+		}
+		td->changed = false;
+		memset(&d, 0, sizeof(d));
+		r = tsp_btree_lookup(&pmd->details_info, pmd->details_root,
+				     td->id, &disk);
+		if (!r)
+			details_unpack(&disk, &d);
+		else if (r != -ENODATA)
+			goto out;
+		td->mapped_blocks = d.mapped_blocks;
+		td->transaction_id = d.transaction_id;
+		td->creation_time = d.creation_time;
+		td->snapshotted_time = d.snapshotted_time;
+		link = &td->next;
+	}
+	r = 0;
+	pmd->fail_io = false;
+	pmd->changed = false;
+out:
+	up_write(&pmd->root_lock);
+	return r;
+}
+
+/**
+ * tsp_pool_metadata_close - commit and free
+ * @pmd: pool metadata
+ *
+ * Returns -EBUSY (and frees nothing) while a thin device is open;
+ * otherwise frees everything and returns the commit's result.
+ */
+int tsp_pool_metadata_close(struct tsp_pool_metadata *pmd)
+{
+	struct tsp_thin_device *td;
+	int r = 0;
+
+	down_write(&pmd->root_lock);
+	for (td = pmd->devices; td; td = td->next) {
+		if (td->open_count) {
+			up_write(&pmd->root_lock);
+			DMERR("cannot close metadata: thin device %llu is open",
+			      (unsigned long long)td->id);
+			return -EBUSY;
+		}
+	}
+	if (!pmd->fail_io && !pmd->read_only && pmd->changed) {
+		r = __commit_transaction(pmd);
+		if (r)
+			DMERR("could not commit metadata on close: %d", r);
+	}
+	while ((td = pmd->devices)) {
+		pmd->devices = td->next;
+		kfree(td);
+	}
+	up_write(&pmd->root_lock);
+
+	destroy_persistent_objects(pmd);
+	tsp_bm_destroy(pmd->bm);
+	kfree(pmd);
+	return r;
+}
+
+/*----------------------------------------------------------------
+ * Thin devices
+ *--------------------------------------------------------------*/
+static struct tsp_thin_device *find_open(struct tsp_pool_metadata *pmd,
+					 tsp_thin_id dev)
+{
+	struct tsp_thin_device *td;
+
+	for (td = pmd->devices; td; td = td->next)
+		if (td->id == dev)
+			return td;
+	return NULL;
+}
+
+/* Get the in-core device, reading its details; -ENODEV if none. */
+static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			 struct tsp_thin_device **result)
+{
+	struct disk_device_details disk;
+	struct tsp_thin_details d;
+	struct tsp_thin_device *td = find_open(pmd, dev);
+	int r;
+
+	lockdep_assert_held(&pmd->root_lock);
+	if (td) {
+		td->open_count++;
+		*result = td;
+		return 0;
+	}
+
+	r = tsp_btree_lookup(&pmd->details_info, pmd->details_root, dev, &disk);
+	if (r == -ENODATA)
+		return -ENODEV;
+	if (r)
+		return r;
+	details_unpack(&disk, &d);
+
+	td = kzalloc(sizeof(*td), GFP_KERNEL);
+	if (!td)
+		return -ENOMEM;
+	td->pmd = pmd;
+	td->id = dev;
+	td->open_count = 1;
+	td->mapped_blocks = d.mapped_blocks;
+	td->transaction_id = d.transaction_id;
+	td->creation_time = d.creation_time;
+	td->snapshotted_time = d.snapshotted_time;
+	td->next = pmd->devices;
+	pmd->devices = td;
+	*result = td;
+	return 0;
+}
+
+static void __close_device(struct tsp_thin_device *td)
+{
+	td->open_count--;
+}
+
+/* Add a device with the given details and mapping tree root. */
+static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			tsp_block_t tree_root, const struct tsp_thin_details *d)
+{
+	struct tsp_thin_device *td;
+	__le64 value = cpu_to_le64(tree_root);
+	int r;
+
+	r = tsp_btree_insert(&pmd->tl_info, pmd->root, dev, &value,
+			     &pmd->root, NULL);
+	if (r)
+		return r;
+
+	td = kzalloc(sizeof(*td), GFP_KERNEL);
+	if (!td)
+		return -ENOMEM;
+	td->pmd = pmd;
+	td->id = dev;
+	td->changed = true;
+	td->mapped_blocks = d->mapped_blocks;
+	td->transaction_id = d->transaction_id;
+	td->creation_time = d->creation_time;
+	td->snapshotted_time = d->snapshotted_time;
+	td->next = pmd->devices;
+	pmd->devices = td;
+	return 0;
+}
+
+static int __check_new_id(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
+{
+	int r;
+
+	if (dev > TSP_THIN_MAX_DEV_ID) {
+		DMERR("device id %llu is too large (max %llu)",
+		      (unsigned long long)dev, TSP_THIN_MAX_DEV_ID);
+		return -EINVAL;
+	}
+	r = tsp_btree_lookup(&pmd->details_info, pmd->details_root, dev, NULL);
+	if (!r) {
+		DMERR("device id %llu is already in use", (unsigned long long)dev);
+		return -EEXIST;
+	}
+	return r == -ENODATA ? 0 : r;
+}
+
+static int __create_thin(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			 const struct tsp_thin_details *d)
+{
+	tsp_block_t tree_root;
+	int r;
+
+	r = __check_new_id(pmd, dev);
+	if (!r)
+		r = tsp_btree_empty(&pmd->bl_info, &tree_root);
+	if (!r)
+		r = __add_device(pmd, dev, tree_root, d);
+	return r;
+}
+
+int tsp_pool_create_thin(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
+{
+	struct tsp_thin_details d = { 0 };
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	d.creation_time = pmd->time;
+	d.snapshotted_time = pmd->time;
+	return end_update(pmd, __create_thin(pmd, dev, &d));
+}
+
+static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			 tsp_thin_id origin)
+{
+	struct tsp_thin_details d = { 0 };
+	struct tsp_thin_device *otd;
+	tsp_block_t origin_root;
+	__le64 value;
+	int r;
+
+	r = __check_new_id(pmd, dev);
+	if (r)
+		return r;
+	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, origin, &value);
+	if (r == -ENODATA) {
+		DMERR("snapshot origin %llu does not exist",
+		      (unsigned long long)origin);
+		return -ENODEV;
+	}
+	if (r)
+		return r;
+	if (pmd->time >= (1u << TIME_BITS) - 1) {
+		DMERR("too many snapshots: the 24-bit time is used up");
+		return -EINVAL;
+	}
+
+	r = __open_device(pmd, origin, &otd);
+	if (r)
+		return r;
+
+	/* The snapshot shares the origin's tree: one more reference. */
+	origin_root = le64_to_cpu(value);
+	r = tsp_tm_inc(pmd->tm, origin_root);
+	if (r)
+		goto out;
+
+	pmd->time++;
+	otd->snapshotted_time = pmd->time;
+	otd->changed = true;
+	d.mapped_blocks = otd->mapped_blocks;
+	d.creation_time = pmd->time;
+	d.snapshotted_time = pmd->time;
+	r = __add_device(pmd, dev, origin_root, &d);
+out:
+	__close_device(otd);
+	return r;
+}
+
+int tsp_pool_create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			 tsp_thin_id origin)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, __create_snap(pmd, dev, origin));
+}
+
+static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
+{
+	struct tsp_thin_device *td, **link;
+	int r;
+
+	td = find_open(pmd, dev);
+	if (td && td->open_count) {
+		DMERR("cannot delete thin device %llu: it is open",
+		      (unsigned long long)dev);
+		return -EBUSY;
+	}
+
+	r = tsp_btree_remove(&pmd->details_info, pmd->details_root, dev,
+			     &pmd->details_root);
+	if (r == -ENODATA) {
+		/* Created in this transaction and never committed? */
+		if (!td) {
+			DMERR("thin device %llu does not exist",
+			      (unsigned long long)dev);
+			return -ENODEV;
+		}
+		r = 0;
+	}
+	if (r)
+		return r;
+	r = tsp_btree_remove(&pmd->tl_info, pmd->root, dev, &pmd->root);
+	if (r)
+		return r;
+
+	for (link = &pmd->devices; *link; link = &(*link)->next) {
+		if (*link == td) {
+			*link = td->next;
+			kfree(td);
+			break;
+		}
+	}
+	return 0;
+}
+
+int tsp_pool_delete_thin_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, __delete_device(pmd, dev));
+}
+
+int tsp_pool_set_metadata_transaction_id(struct tsp_pool_metadata *pmd,
+					 u64 current_id, u64 new_id)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	if (pmd->trans_id != current_id) {
+		DMERR("mismatched transaction id: %llu, expected %llu",
+		      (unsigned long long)current_id,
+		      (unsigned long long)pmd->trans_id);
+		r = -EINVAL;
+	} else {
+		pmd->trans_id = new_id;
+	}
+	return end_update(pmd, r);
+}
+
+int tsp_pool_get_metadata_transaction_id(struct tsp_pool_metadata *pmd,
+					 u64 *result)
+{
+	down_read(&pmd->root_lock);
+	*result = pmd->trans_id;
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+/*----------------------------------------------------------------
+ * Metadata snapshots
+ *--------------------------------------------------------------*/
+static int __reserve_metadata_snap(struct tsp_pool_metadata *pmd)
+{
+	struct thin_disk_superblock *copy;
+	struct tsp_block *b;
+	int r;
+
+	if (pmd->held_root) {
+		DMERR("pool metadata snapshot already exists: release it first");
+		return -EBUSY;
+	}
+
+	/* The copy must name committed trees: commit what is pending. */
+	r = __commit_transaction(pmd);
+	if (r)
+		return r;
+
+	r = tsp_tm_new_block(pmd->tm, &sb_validator, &b);
+	if (r)
+		return r;
+	copy = tsp_block_data(b);
+	memcpy(copy->uuid, pmd->uuid, sizeof(copy->uuid));
+	copy->magic = cpu_to_le64(THIN_SUPERBLOCK_MAGIC);
+	copy->version = cpu_to_le32(pmd->version);
+	copy->time = cpu_to_le32(pmd->time);
+	copy->trans_id = cpu_to_le64(pmd->trans_id);
+	copy->data_mapping_root = cpu_to_le64(pmd->root);
+	copy->device_details_root = cpu_to_le64(pmd->details_root);
+	copy->data_block_size = cpu_to_le32(pmd->data_block_size);
+	copy->metadata_block_size = cpu_to_le32(TSP_METADATA_BLOCK_SECTORS);
+	copy->metadata_nr_blocks = cpu_to_le64(tsp_tm_nr_blocks(pmd->tm));
+	pmd->held_root = tsp_block_location(b);
+	tsp_tm_unlock(pmd->tm, b);
+
+	r = tsp_tm_inc(pmd->tm, pmd->root);
+	if (!r)
+		r = tsp_tm_inc(pmd->tm, pmd->details_root);
+	if (!r)
+		r = __commit_transaction(pmd);
+	return r;
+}
+
+int tsp_pool_reserve_metadata_snap(struct tsp_pool_metadata *pmd)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, __reserve_metadata_snap(pmd));
+}
+
+static int __release_metadata_snap(struct tsp_pool_metadata *pmd)
+{
+	struct thin_disk_superblock *copy;
+	tsp_block_t mapping_root, details_root, held = pmd->held_root;
+	struct tsp_block *b;
+	int r;
+
+	if (!held) {
+		DMERR("no pool metadata snapshot to release");
+		return -EINVAL;
+	}
+
+	r = tsp_tm_read_lock(pmd->tm, held, &sb_validator, &b);
+	if (r)
+		return r;
+	copy = tsp_block_data(b);
+	mapping_root = le64_to_cpu(copy->data_mapping_root);
+	details_root = le64_to_cpu(copy->device_details_root);
+	tsp_tm_unlock(pmd->tm, b);
+
+	r = tsp_btree_del(&pmd->tl_info, mapping_root);
+	if (!r)
+		r = tsp_btree_del(&pmd->details_info, details_root);
+	if (!r)
+		r = tsp_tm_dec(pmd->tm, held);
+	if (!r)
+		pmd->held_root = 0;
+	return r;
+}
+
+int tsp_pool_release_metadata_snap(struct tsp_pool_metadata *pmd)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, __release_metadata_snap(pmd));
+}
+
+int tsp_pool_get_metadata_snap(struct tsp_pool_metadata *pmd,
+			       tsp_block_t *result)
+{
+	down_read(&pmd->root_lock);
+	*result = pmd->held_root;
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+/*----------------------------------------------------------------
+ * Opening thin devices and their mappings
+ *--------------------------------------------------------------*/
+int tsp_pool_open_thin_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			      struct tsp_thin_device **td)
+{
+	int r;
+
+	down_write(&pmd->root_lock);
+	r = pmd->fail_io ? -EPERM : __open_device(pmd, dev, td);
+	up_write(&pmd->root_lock);
+	return r;
+}
+
+void tsp_pool_close_thin_device(struct tsp_thin_device *td)
+{
+	down_write(&td->pmd->root_lock);
+	__close_device(td);
+	up_write(&td->pmd->root_lock);
+}
+
+tsp_thin_id tsp_thin_dev_id(struct tsp_thin_device *td)
+{
+	return td->id;
+}
+
+/* The root of @td's mapping tree. */
+static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	__le64 value;
+	int r;
+
+	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, td->id, &value);
+	if (r == -ENODATA) {
+		DMERR("thin device %llu has no mapping tree",
+		      (unsigned long long)td->id);
+		return -EILSEQ;
+	}
+	if (!r)
+		*root = le64_to_cpu(value);
+	return r;
+}
+
+/* Record that @td's mapping tree root moved from @old to @root. */
+static int __set_device_root(struct tsp_thin_device *td, tsp_block_t old,
+			     tsp_block_t root)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	__le64 value = cpu_to_le64(root);
+
+	if (root == old)
+		return 0;
+	return tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
+				&pmd->root, NULL);
+}
+
+static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,
+			tsp_block_t root, struct tsp_thin_lookup_result *result,
+			u32 *time)
+{
+	__le64 value;
+	int r;
+
+	r = tsp_btree_lookup(&td->pmd->bl_info, root, virt, &value);
+	if (r)
+		return r;
+	unpack_mapping(le64_to_cpu(value), &result->block, time);
+	result->shared = td->snapshotted_time > *time;
+	return 0;
+}
+
+/**
+ * tsp_thin_find_block - where a virtual block is mapped
+ * @td: thin device
+ * @virt: virtual block
+ * @result: out
+ *
+ * Returns 0 or -ENODATA if unmapped.  Context: may sleep (reads metadata).
+ */
+int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
+			struct tsp_thin_lookup_result *result)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	tsp_block_t root;
+	u32 time;
+	int r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->fail_io ? -EPERM : __device_root(td, &root);
+	if (!r)
+		r = __find_block(td, virt, root, result, &time);
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+int tsp_thin_find_mapped_range(struct tsp_thin_device *td, tsp_block_t begin,
+			       tsp_block_t end, tsp_block_t *thin_begin,
+			       tsp_block_t *thin_end, tsp_block_t *pool_begin,
+			       bool *maybe_shared)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	struct tsp_thin_lookup_result lookup;
+	tsp_block_t root, b;
+	__le64 value;
+	u64 key;
+	u32 time;
+	int r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->fail_io ? -EPERM : __device_root(td, &root);
+	if (!r)
+		r = tsp_btree_lookup_next(&pmd->bl_info, root, begin, &key, &value);
+	if (!r && key >= end)
+		r = -ENODATA;
+	if (r)
+		goto out;
+
+	unpack_mapping(le64_to_cpu(value), pool_begin, &time);
+	*thin_begin = key;
+	*maybe_shared = td->snapshotted_time > time;
+	for (b = key + 1; b < end; b++) {
+		r = __find_block(td, b, root, &lookup, &time);
+		if (r == -ENODATA)
+			break;
+		if (r)
+			goto out;
+		if (lookup.block != *pool_begin + (b - key) ||
+		    lookup.shared != *maybe_shared)
+			break;
+	}
+	*thin_end = b;
+	r = 0;
+out:
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+int tsp_pool_alloc_data_block(struct tsp_pool_metadata *pmd,
+			      tsp_block_t *result)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, tsp_data_sm_new_block(pmd->data_sm, result));
+}
+
+static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
+			  tsp_block_t data, u32 time)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	__le64 value = cpu_to_le64(pack_mapping(data, time));
+	tsp_block_t old, root;
+	bool inserted;
+	int r;
+
+	if (data >= tsp_data_sm_nr_blocks(pmd->data_sm)) {
+		DMERR("data block %llu is beyond the data device",
+		      (unsigned long long)data);
+		return -EINVAL;
+	}
+	r = __device_root(td, &old);
+	if (!r)
+		r = tsp_btree_insert(&pmd->bl_info, old, virt, &value, &root,
+				     &inserted);
+	if (!r)
+		r = __set_device_root(td, old, root);
+	if (r)
+		return r;
+
+	td->changed = true;
+	if (inserted)
+		td->mapped_blocks++;
+	return 0;
+}
+
+int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
+			  tsp_block_t data)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, __insert_block(td, virt, data, pmd->time));
+}
+
+static int __remove_range(struct tsp_thin_device *td, tsp_block_t begin,
+			  tsp_block_t end)
+{
+	tsp_block_t old, root;
+	u64 nr;
+	int r;
+
+	r = __device_root(td, &old);
+	if (!r)
+		r = tsp_btree_remove_range(&td->pmd->bl_info, old, begin, end,
+					   &root, &nr);
+	if (!r)
+		r = __set_device_root(td, old, root);
+	if (r)
+		return r;
+	if (nr) {
+		td->mapped_blocks -= min(nr, td->mapped_blocks);
+		td->changed = true;
+	}
+	return 0;
+}
+
+int tsp_thin_remove_block(struct tsp_thin_device *td, tsp_block_t virt)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	tsp_block_t old, root;
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	r = __device_root(td, &old);
+	if (!r)
+		r = tsp_btree_remove(&pmd->bl_info, old, virt, &root);
+	if (!r)
+		r = __set_device_root(td, old, root);
+	if (!r) {
+		td->mapped_blocks -= min(1ULL, (unsigned long long)td->mapped_blocks);
+		td->changed = true;
+	}
+	return end_update(pmd, r);
+}
+
+int tsp_thin_remove_range(struct tsp_thin_device *td, tsp_block_t begin,
+			  tsp_block_t end)
+{
+	int r = begin_update(td->pmd);
+
+	if (r)
+		return r;
+	return end_update(td->pmd, __remove_range(td, begin, end));
+}
+
+int tsp_thin_get_mapped_count(struct tsp_thin_device *td, tsp_block_t *result)
+{
+	down_read(&td->pmd->root_lock);
+	*result = td->mapped_blocks;
+	up_read(&td->pmd->root_lock);
+	return 0;
+}
+
+int tsp_thin_get_highest_mapped_block(struct tsp_thin_device *td,
+				      tsp_block_t *result)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	tsp_block_t root;
+	u64 key;
+	int r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->fail_io ? -EPERM : __device_root(td, &root);
+	if (!r)
+		r = tsp_btree_find_highest_key(&pmd->bl_info, root, &key);
+	if (!r)
+		*result = key;
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+bool tsp_thin_changed_this_transaction(struct tsp_thin_device *td)
+{
+	bool r;
+
+	down_read(&td->pmd->root_lock);
+	r = td->changed;
+	up_read(&td->pmd->root_lock);
+	return r;
+}
+
+bool tsp_pool_changed_this_transaction(struct tsp_pool_metadata *pmd)
+{
+	bool r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->changed;
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+/*----------------------------------------------------------------
+ * Space
+ *--------------------------------------------------------------*/
+int tsp_pool_get_data_block_count(struct tsp_pool_metadata *pmd,
+				  tsp_block_t *result)
+{
+	down_read(&pmd->root_lock);
+	*result = tsp_data_sm_nr_blocks(pmd->data_sm);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+int tsp_pool_get_free_block_count(struct tsp_pool_metadata *pmd,
+				  tsp_block_t *result)
+{
+	down_read(&pmd->root_lock);
+	*result = tsp_data_sm_nr_free(pmd->data_sm);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+int tsp_pool_get_data_block_refcount(struct tsp_pool_metadata *pmd,
+				     tsp_block_t b, u32 *result)
+{
+	int r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->fail_io ? -EPERM : tsp_data_sm_get_count(pmd->data_sm, b, result);
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+int tsp_pool_get_metadata_dev_size(struct tsp_pool_metadata *pmd,
+				   tsp_block_t *result)
+{
+	down_read(&pmd->root_lock);
+	*result = tsp_tm_nr_blocks(pmd->tm);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+int tsp_pool_get_free_metadata_block_count(struct tsp_pool_metadata *pmd,
+					   tsp_block_t *result)
+{
+	down_read(&pmd->root_lock);
+	*result = tsp_tm_nr_free(pmd->tm);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+int tsp_pool_resize_data_dev(struct tsp_pool_metadata *pmd,
+			     tsp_block_t new_count)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	if (new_count < tsp_data_sm_nr_blocks(pmd->data_sm)) {
+		DMERR("cannot shrink the data device from %llu to %llu blocks",
+		      (unsigned long long)tsp_data_sm_nr_blocks(pmd->data_sm),
+		      (unsigned long long)new_count);
+		r = -EINVAL;
+	} else {
+		r = tsp_data_sm_extend(pmd->data_sm, new_count);
+	}
+	return end_update(pmd, r);
+}
+
+int tsp_pool_resize_metadata_dev(struct tsp_pool_metadata *pmd,
+				 tsp_block_t new_count)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	if (new_count < tsp_tm_nr_blocks(pmd->tm)) {
+		DMERR("cannot shrink the metadata device from %llu to %llu blocks",
+		      (unsigned long long)tsp_tm_nr_blocks(pmd->tm),
+		      (unsigned long long)new_count);
+		r = -EINVAL;
+	} else {
+		r = tsp_tm_extend(pmd->tm, new_count);
+	}
+	return end_update(pmd, r);
+}
+
+void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd)
+{
+	down_write(&pmd->root_lock);
+	pmd->read_only = true;
+	tsp_bm_set_read_only(pmd->bm);
+	up_write(&pmd->root_lock);
+}
+
+int tsp_pool_metadata_set_needs_check(struct tsp_pool_metadata *pmd)
+{
+	int r;
+
+	down_write(&pmd->root_lock);
+	pmd->flags |= THIN_NEEDS_CHECK_FLAG;
+	r = (pmd->fail_io || pmd->read_only) ? -EPERM : __commit_transaction(pmd);
+	up_write(&pmd->root_lock);
+	return r;
+}
+
+bool tsp_pool_metadata_needs_check(struct tsp_pool_metadata *pmd)
+{
+	bool r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->flags & THIN_NEEDS_CHECK_FLAG;
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+/*----------------------------------------------------------------
+ * Tools: restore, dump
+ *--------------------------------------------------------------*/
+int tsp_pool_get_info(struct tsp_pool_metadata *pmd, struct tsp_pool_info *info)
+{
+	down_read(&pmd->root_lock);
+	memcpy(info->uuid, pmd->uuid, sizeof(info->uuid));
+	info->flags = pmd->flags;
+	info->version = pmd->version;
+	info->time = pmd->time;
+	info->transaction_id = pmd->trans_id;
+	info->metadata_snap = pmd->held_root;
+	info->data_block_size = pmd->data_block_size;
+	info->nr_data_blocks = tsp_data_sm_nr_blocks(pmd->data_sm);
+	info->nr_metadata_blocks = tsp_tm_nr_blocks(pmd->tm);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+int tsp_pool_restore_superblock(struct tsp_pool_metadata *pmd, u32 time,
+				u64 transaction_id, u32 flags)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	if (time >= (1u << TIME_BITS)) {
+		DMERR("time %u does not fit in 24 bits", time);
+		r = -EINVAL;
+	} else {
+		pmd->time = time;
+		pmd->trans_id = transaction_id;
+		pmd->flags = flags;
+	}
+	return end_update(pmd, r);
+}
+
+int tsp_pool_restore_thin(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
+			  const struct tsp_thin_details *details)
+{
+	struct tsp_thin_details d = *details;
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	d.mapped_blocks = 0;	/* counted as mappings are restored */
+	return end_update(pmd, __create_thin(pmd, dev, &d));
+}
+
+int tsp_thin_restore_block(struct tsp_thin_device *td, tsp_block_t virt,
+			   tsp_block_t data, u32 time)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	tsp_block_t root;
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	if (time >= (1u << TIME_BITS)) {
+		DMERR("mapping time %u does not fit in 24 bits", time);
+		r = -EINVAL;
+		goto out;
+	}
+	r = __device_root(td, &root);
+	if (!r) {
+		r = tsp_btree_lookup(&pmd->bl_info, root, virt, NULL);
+		if (!r) {
+			DMERR("virtual block %llu of device %llu is mapped twice",
+			      (unsigned long long)virt, (unsigned long long)td->id);
+			r = -EEXIST;
+			goto out;
+		}
+	}
+	if (r == -ENODATA && data < tsp_data_sm_nr_blocks(pmd->data_sm))
+		r = tsp_data_sm_inc(pmd->data_sm, data);
+	if (!r)
+		r = __insert_block(td, virt, data, time);
+out:
+	return end_update(pmd, r);
+}
+
+struct walk_devices_args {
+	int (*fn)(void *context, tsp_thin_id dev, const struct tsp_thin_details *d);
+	void *context;
+};
+
+static int walk_device(void *context, u64 key, void *value)
+{
+	struct walk_devices_args *args = context;
+	struct tsp_thin_details d;
+
+	details_unpack(value, &d);
+	return args->fn(args->context, key, &d);
+}
+
+/* Devices as committed or changed: commit first to see every change. */
+int tsp_pool_walk_devices(struct tsp_pool_metadata *pmd,
+			  int (*fn)(void *context, tsp_thin_id dev,
+				    const struct tsp_thin_details *d),
+			  void *context)
+{
+	struct walk_devices_args args = { fn, context };
+	int r;
+
+	down_read(&pmd->root_lock);
+	r = tsp_btree_walk(&pmd->details_info, pmd->details_root, walk_device, &args);
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+struct walk_mappings_args {
+	int (*fn)(void *context, tsp_block_t virt, tsp_block_t data, u32 time);
+	void *context;
+};
+
+static int walk_mapping(void *context, u64 key, void *value)
+{
+	struct walk_mappings_args *args = context;
+	tsp_block_t data;
+	__le64 v;
+	u32 time;
+
+	memcpy(&v, value, sizeof(v));
+	unpack_mapping(le64_to_cpu(v), &data, &time);
+	return args->fn(args->context, key, data, time);
+}
+
+int tsp_thin_walk_mappings(struct tsp_thin_device *td,
+			   int (*fn)(void *context, tsp_block_t virt,
+				     tsp_block_t data, u32 time),
+			   void *context)
+{
+	struct walk_mappings_args args = { fn, context };
+	struct tsp_pool_metadata *pmd = td->pmd;
+	tsp_block_t root;
+	int r;
+
+	down_read(&pmd->root_lock);
+	r = __device_root(td, &root);
+	if (!r)
+		r = tsp_btree_walk(&pmd->bl_info, root, walk_mapping, &args);
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+/*----------------------------------------------------------------
+ * Checker
+ *--------------------------------------------------------------*/
+#define MAX_REPORTED_MISMATCHES 10
+
+struct check_ctx {
+	struct tsp_pool_metadata *pmd;
+	u32 *meta;		/* references found per metadata block */
+	tsp_block_t nr_meta;
+	u32 *data;		/* references found per data block */
+	tsp_block_t nr_data;
+	u64 nr_mappings;	/* of the device being counted */
+};
+
+/* node_fn for tsp_btree_check(): count, and descend the first time. */
+static int count_metadata_ref(void *context, tsp_block_t b)
+{
+	struct check_ctx *ctx = context;
+
+	if (b >= ctx->nr_meta) {
+		DMERR("reference to metadata block %llu beyond the space map (%llu)",
+		      (unsigned long long)b, (unsigned long long)ctx->nr_meta);
+		return -EILSEQ;
+	}
+	return ctx->meta[b]++ ? 1 : 0;
+}
+
+static int count_data_ref(void *context, u64 key, void *value)
+{
+	struct check_ctx *ctx = context;
+	tsp_block_t b;
+	__le64 v;
+	u32 time;
+
+	memcpy(&v, value, sizeof(v));
+	unpack_mapping(le64_to_cpu(v), &b, &time);
+	if (b >= ctx->nr_data) {
+		DMERR("virtual block %llu maps to data block %llu beyond the data device",
+		      (unsigned long long)key, (unsigned long long)b);
+		return -EILSEQ;
+	}
+	ctx->data[b]++;
+	return 0;
+}
+
+static int check_subtree(void *context, u64 key, void *value)
+{
+	struct check_ctx *ctx = context;
+	__le64 v;
+
+	memcpy(&v, value, sizeof(v));
+	return tsp_btree_check(&ctx->pmd->bl_info, le64_to_cpu(v),
+			       count_metadata_ref, count_data_ref, ctx);
+}
+
+static int check_trees(struct check_ctx *ctx, tsp_block_t mapping_root,
+		       tsp_block_t details_root)
+{
+	struct tsp_pool_metadata *pmd = ctx->pmd;
+	int r;
+
+	r = tsp_btree_check(&pmd->tl_info, mapping_root, count_metadata_ref,
+			    check_subtree, ctx);
+	if (!r)
+		r = tsp_btree_check(&pmd->details_info, details_root,
+				    count_metadata_ref, NULL, ctx);
+	return r;
+}
+
+static int count_mapping(void *context, u64 key, void *value)
+{
+	struct check_ctx *ctx = context;
+
+	ctx->nr_mappings++;
+	return 0;
+}
+
+/* Every device has both details and a tree, with the right count. */
+static int check_device(void *context, u64 key, void *value)
+{
+	struct check_ctx *ctx = context;
+	struct tsp_pool_metadata *pmd = ctx->pmd;
+	struct tsp_thin_details d;
+	__le64 root;
+	int r;
+
+	details_unpack(value, &d);
+	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, key, &root);
+	if (r == -ENODATA) {
+		DMERR("device %llu has details but no mapping tree",
+		      (unsigned long long)key);
+		return -EILSEQ;
+	}
+	if (r)
+		return r;
+
+	ctx->nr_mappings = 0;
+	r = tsp_btree_walk(&pmd->bl_info, le64_to_cpu(root), count_mapping, ctx);
+	if (r)
+		return r;
+	if (ctx->nr_mappings != d.mapped_blocks) {
+		DMERR("device %llu has %llu mappings but its details say %llu",
+		      (unsigned long long)key, (unsigned long long)ctx->nr_mappings,
+		      (unsigned long long)d.mapped_blocks);
+		return -EILSEQ;
+	}
+	return 0;
+}
+
+static int check_has_details(void *context, u64 key, void *value)
+{
+	struct check_ctx *ctx = context;
+	int r;
+
+	r = tsp_btree_lookup(&ctx->pmd->details_info, ctx->pmd->details_root,
+			     key, NULL);
+	if (r == -ENODATA) {
+		DMERR("device %llu has a mapping tree but no details",
+		      (unsigned long long)key);
+		return -EILSEQ;
+	}
+	return r;
+}
+
+static int check_held_root(struct check_ctx *ctx)
+{
+	struct tsp_pool_metadata *pmd = ctx->pmd;
+	struct thin_disk_superblock *copy;
+	tsp_block_t mapping_root, details_root;
+	struct tsp_block *b;
+	int r;
+
+	r = count_metadata_ref(ctx, pmd->held_root);
+	if (r)
+		return r < 0 ? r : -EILSEQ;
+	r = tsp_tm_read_lock(pmd->tm, pmd->held_root, &sb_validator, &b);
+	if (r)
+		return r;
+	copy = tsp_block_data(b);
+	mapping_root = le64_to_cpu(copy->data_mapping_root);
+	details_root = le64_to_cpu(copy->device_details_root);
+	tsp_tm_unlock(pmd->tm, b);
+	return check_trees(ctx, mapping_root, details_root);
+}
+
+/* Compare the references found with both space maps' counts. */
+static int compare_counts(struct check_ctx *ctx)
+{
+	struct tsp_pool_metadata *pmd = ctx->pmd;
+	tsp_block_t b, mismatches = 0, in_use = 0;
+	u32 count;
+	int r;
+
+	for (b = 0; b < ctx->nr_meta; b++) {
+		r = tsp_tm_ref(pmd->tm, b, &count);
+		if (r)
+			return r;
+		if (count != ctx->meta[b] && mismatches++ < MAX_REPORTED_MISMATCHES)
+			DMERR("metadata block %llu: space map count %u, %u references",
+			      (unsigned long long)b, count, ctx->meta[b]);
+	}
+	for (b = 0; b < ctx->nr_data; b++) {
+		r = tsp_data_sm_get_count(pmd->data_sm, b, &count);
+		if (r)
+			return r;
+		in_use += !!count;
+		if (count != ctx->data[b] && mismatches++ < MAX_REPORTED_MISMATCHES)
+			DMERR("data block %llu: space map count %u, %u references",
+			      (unsigned long long)b, count, ctx->data[b]);
+	}
+	if (ctx->nr_data - in_use != tsp_data_sm_nr_free(pmd->data_sm)) {
+		DMERR("data space map says %llu blocks are free, but %llu are",
+		      (unsigned long long)tsp_data_sm_nr_free(pmd->data_sm),
+		      (unsigned long long)(ctx->nr_data - in_use));
+		mismatches++;
+	}
+	if (mismatches) {
+		DMERR("%llu reference count mismatches", (unsigned long long)mismatches);
+		return -EILSEQ;
+	}
+	return 0;
+}
+
+/**
+ * tsp_pool_check - see dm-thin-metadata.h
+ * @pmd: freshly opened pool metadata
+ */
+int tsp_pool_check(struct tsp_pool_metadata *pmd)
+{
+	struct check_ctx ctx = { .pmd = pmd };
+	int r;
+
+	down_read(&pmd->root_lock);
+	if (pmd->changed) {
+		r = -EBUSY;
+		goto out;
+	}
+	ctx.nr_meta = tsp_tm_nr_blocks(pmd->tm);
+	ctx.nr_data = tsp_data_sm_nr_blocks(pmd->data_sm);
+	ctx.meta = kvcalloc(ctx.nr_meta, sizeof(u32), GFP_KERNEL);
+	ctx.data = kvcalloc(max_t(tsp_block_t, ctx.nr_data, 1), sizeof(u32),
+			    GFP_KERNEL);
+	if (!ctx.meta || !ctx.data) {
+		r = -ENOMEM;
+		goto out;
+	}
+
+	r = count_metadata_ref(&ctx, THIN_SUPERBLOCK_LOCATION);
+	if (!r)
+		r = tsp_tm_walk_sm_blocks(pmd->tm, count_metadata_ref, &ctx);
+	if (!r)
+		r = tsp_data_sm_walk_own_blocks(pmd->data_sm, count_metadata_ref,
+						&ctx);
+	if (!r)
+		r = check_trees(&ctx, pmd->root, pmd->details_root);
+	if (!r && pmd->held_root)
+		r = check_held_root(&ctx);
+	if (!r)
+		r = tsp_btree_walk(&pmd->details_info, pmd->details_root,
+				   check_device, &ctx);
+	if (!r)
+		r = tsp_btree_walk(&pmd->tl_info, pmd->root, check_has_details,
+				   &ctx);
+	if (!r)
+		r = compare_counts(&ctx);
+out:
+	kvfree(ctx.meta);
+	kvfree(ctx.data);
+	up_read(&pmd->root_lock);
+	return r;
+}
