@@ -408,7 +408,9 @@ int tsp_pool_metadata_open(struct block_device *bdev, sector_t data_block_size,
 			      (unsigned long long)data_block_size);
 			r = -EINVAL;
 		} else {
+			down_write(&pmd->root_lock);
 			r = format_metadata(pmd, nr_data_blocks);
+			up_write(&pmd->root_lock);
 		}
 	} else {
 		r = read_superblock(pmd, data_block_size);
@@ -477,13 +479,12 @@ static int __commit_transaction(struct tsp_pool_metadata *pmd)
 	if (!r)
 		r = tsp_tm_pre_commit(pmd->tm, meta_root);
 	if (!r)
-		r = tsp_bm_write_lock(pmd->bm, THIN_SUPERBLOCK_LOCATION,
-				      &sb_validator, &b);
+		r = tsp_bm_write_lock_zero(pmd->bm, THIN_SUPERBLOCK_LOCATION,
+					   &sb_validator, &b);
 	if (r)
 		return r;
 
 	sb = tsp_block_data(b);
-	memset(sb, 0, TSP_METADATA_BLOCK_SIZE);
 	memcpy(sb->uuid, pmd->uuid, sizeof(sb->uuid));
 	sb->flags = cpu_to_le32(pmd->flags);
 	sb->magic = cpu_to_le64(THIN_SUPERBLOCK_MAGIC);
