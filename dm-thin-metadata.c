@@ -551,13 +551,15 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
  *
  * Rereads the last committed superblock.  Open devices keep their
  * handles, with their details as committed.  Returns 0, or the error
- * from rereading (the metadata stays failed).
+ * from rereading (the metadata stays failed, and may be aborted again).
  */
 int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 {
 	struct tsp_thin_device *td, **link;
 	struct disk_device_details disk;
+	struct tsp_data_sm *old_data_sm;
 	struct tsp_thin_details d;
+	struct tsp_tm *old_tm;
 	int r;
 
 	down_write(&pmd->root_lock);
@@ -565,13 +567,22 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 		up_write(&pmd->root_lock);
 		return -EPERM;
 	}
-	destroy_persistent_objects(pmd);
+	old_tm = pmd->tm;
+	old_data_sm = pmd->data_sm;
+	pmd->tm = NULL;
+	pmd->data_sm = NULL;
 	pmd->fail_io = true;
 	r = read_superblock(pmd, pmd->data_block_size);
 	if (r) {
+		/* Stay failed, on the old objects, so getters still work. */
 		destroy_persistent_objects(pmd);
+		pmd->tm = old_tm;
+		pmd->data_sm = old_data_sm;
+		setup_btree_infos(pmd);
 		goto out;
 	}
+	tsp_data_sm_destroy(old_data_sm);
+	tsp_tm_destroy(old_tm);
 
 	for (link = &pmd->devices; (td = *link);) {
 		if (!td->open_count) {
@@ -734,7 +745,8 @@ static int __check_new_id(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 		      (unsigned long long)dev, TSP_THIN_MAX_DEV_ID);
 		return -EINVAL;
 	}
-	r = tsp_btree_lookup(&pmd->details_info, pmd->details_root, dev, NULL);
+	/* The top-level tree is up to date; details wait for the commit. */
+	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, dev, NULL);
 	if (!r) {
 		DMERR("device id %llu is already in use", (unsigned long long)dev);
 		return -EEXIST;
@@ -837,20 +849,20 @@ static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 		return -EBUSY;
 	}
 
-	r = tsp_btree_remove(&pmd->details_info, pmd->details_root, dev,
-			     &pmd->details_root);
+	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, dev, NULL);
 	if (r == -ENODATA) {
-		/* Created in this transaction and never committed? */
-		if (!td) {
-			DMERR("thin device %llu does not exist",
-			      (unsigned long long)dev);
-			return -ENODEV;
-		}
-		r = 0;
+		DMERR("thin device %llu does not exist", (unsigned long long)dev);
+		return -ENODEV;
 	}
-	if (r)
-		return r;
-	r = tsp_btree_remove(&pmd->tl_info, pmd->root, dev, &pmd->root);
+	if (!r)
+		r = tsp_btree_remove(&pmd->tl_info, pmd->root, dev, &pmd->root);
+	if (!r) {
+		/* Absent if the device was created in this transaction. */
+		r = tsp_btree_remove(&pmd->details_info, pmd->details_root, dev,
+				     &pmd->details_root);
+		if (r == -ENODATA)
+			r = 0;
+	}
 	if (r)
 		return r;
 
@@ -1146,7 +1158,13 @@ int tsp_pool_alloc_data_block(struct tsp_pool_metadata *pmd,
 
 	if (r)
 		return r;
-	return end_update(pmd, tsp_data_sm_new_block(pmd->data_sm, result));
+	r = tsp_data_sm_new_block(pmd->data_sm, result);
+	if (r == -ENOSPC) {
+		/* Nothing changed: the pool decides what out of space means. */
+		up_write(&pmd->root_lock);
+		return r;
+	}
+	return end_update(pmd, r);
 }
 
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
@@ -1225,7 +1243,8 @@ int tsp_thin_remove_block(struct tsp_thin_device *td, tsp_block_t virt)
 	if (!r)
 		r = __set_device_root(td, old, root);
 	if (!r) {
-		td->mapped_blocks -= min(1ULL, (unsigned long long)td->mapped_blocks);
+		if (td->mapped_blocks)
+			td->mapped_blocks--;
 		td->changed = true;
 	}
 	return end_update(pmd, r);

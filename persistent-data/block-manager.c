@@ -114,7 +114,7 @@ static int bm_validate(struct dm_buffer *buf, const struct tsp_block_validator *
 		DMERR("block %llu was read as %s, now asked for as %s",
 		      (unsigned long long)dm_bufio_get_block_number(buf),
 		      aux->validator->name, v->name);
-		return -EINVAL;
+		return -EILSEQ;
 	}
 
 	r = v->check(v, (struct tsp_block *)buf, TSP_METADATA_BLOCK_SIZE);
@@ -178,8 +178,8 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
  * @v: the kind of block expected, or NULL for the raw contents
  * @result: the locked block; release with tsp_bm_unlock()
  *
- * Context: may sleep.  Returns 0, -EILSEQ (failed the check, or beyond
- * the device), -EINVAL (already known as another kind) or an IO error.
+ * Context: may sleep.  Returns 0, -EILSEQ (failed the check, beyond the
+ * device, or already known as another kind) or an IO error.
  */
 int tsp_bm_read_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		     const struct tsp_block_validator *v,
