@@ -149,9 +149,9 @@ static const struct {
 	const char *name;
 	unsigned int weight;
 } op_table[NR_OPS] = {
-	[OP_CREATE_THIN] = { "create_thin", 12 },
-	[OP_CREATE_SNAP] = { "create_snap", 12 },
-	[OP_DELETE] = { "delete", 9 },
+	[OP_CREATE_THIN] = { "create_thin", 6 },
+	[OP_CREATE_SNAP] = { "create_snap", 6 },
+	[OP_DELETE] = { "delete", 3 },
 	[OP_INSERT] = { "insert", 300 },
 	[OP_INSERT_RUN] = { "insert_run", 30 },
 	[OP_OVERWRITE] = { "overwrite", 60 },
@@ -848,6 +848,8 @@ static int walk_dev_fn(void *context, tsp_thin_id dev,
 	return 0;
 }
 
+#define LOOKUP_SAMPLE 128
+
 static int verify_device(struct stress *s, unsigned int slot)
 {
 	const struct mdev *d = &s->cur.devs[slot];
@@ -880,9 +882,16 @@ static int verify_device(struct stress *s, unsigned int slot)
 			    (unsigned long long)w.next);
 		goto out;
 	}
+	/*
+	 * The walk compared every mapping; look up every block of one
+	 * device in turn and a sample of the others (sharing, misses).
+	 */
 	for (v = 0; v < s->o.virt_blocks; v++) {
 		if (d->map[v].data != NO_BLOCK)
 			last = v;
+		if (slot != s->nr_verify % s->o.devices &&
+		    rnd(s, s->o.virt_blocks) >= LOOKUP_SAMPLE)
+			continue;
 		r = check_lookup(s, td, slot, v);
 		if (r)
 			goto out;
@@ -1444,7 +1453,9 @@ static int do_op(struct stress *s, enum op_kind k)
 	case OP_INSERT:
 		return op_insert(s, false, 1);
 	case OP_INSERT_RUN:
-		return op_insert(s, false, 2 + rnd(s, 31));
+		/* now and then a long run: deep trees, long range_mappings */
+		return op_insert(s, false, 2 + (rnd(s, 8) ? rnd(s, 31) :
+						rnd(s, 512)));
 	case OP_OVERWRITE:
 		return op_insert(s, true, 1 + (rnd(s, 4) ? 0 : rnd(s, 8)));
 	case OP_REMOVE:
@@ -1477,17 +1488,41 @@ static int do_op(struct stress *s, enum op_kind k)
 	return diverge(s, "bad op %d", k);
 }
 
+/*
+ * The mix moves through phases of PHASE_OPS ops, so that trees both grow
+ * deep (splits, new levels) and shrink again (merges, emptied leaves):
+ * fill (inserts x4, removes / 4), churn (as in op_table), drain
+ * (inserts / 4, removes x4).
+ */
+#define PHASE_OPS 3000
+
+static unsigned int op_weight(struct stress *s, unsigned int i)
+{
+	unsigned int w = op_table[i].weight;
+	bool grow = i == OP_INSERT || i == OP_INSERT_RUN;
+	bool shrink = i == OP_REMOVE || i == OP_REMOVE_RANGE;
+
+	switch ((s->op / PHASE_OPS) % 3) {
+	case 0:
+		return grow ? w * 4 : shrink ? w / 4 : w;
+	case 2:
+		return grow ? w / 4 : shrink ? w * 4 : w;
+	default:
+		return w;
+	}
+}
+
 static enum op_kind pick_op(struct stress *s)
 {
 	unsigned int total = 0, i, x;
 
 	for (i = 0; i < NR_OPS; i++)
-		total += op_table[i].weight;
+		total += op_weight(s, i);
 	x = rnd(s, total);
 	for (i = 0; i < NR_OPS; i++) {
-		if (x < op_table[i].weight)
+		if (x < op_weight(s, i))
 			return i;
-		x -= op_table[i].weight;
+		x -= op_weight(s, i);
 	}
 	return OP_LOOKUP;
 }
@@ -1691,7 +1726,7 @@ static int parse_avoid(struct stress *s, const char *v)
 int tsm_cmd_stress(int argc, char **argv)
 {
 	struct stress *s;
-	u64 devices = 8, every = 1, dbs = 128, virt = 1024, data = 0;
+	u64 devices = 8, every = 1, dbs = 128, virt = 2048, data = 0;
 	u64 meta = 4096, prog = 0, seed = 0, ops = 0, maxdata = 0;
 	bool have_seed = false, have_ops = false;
 	const char *avoid_arg = NULL;
