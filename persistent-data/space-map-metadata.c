@@ -258,6 +258,7 @@ static int load_overflow(void *context, u64 key, void *value)
 		return -EILSEQ;
 	}
 	sm->counts[key] = count;
+	sm->committed[key] = 1;	/* has its entry; see tsp_msm_open() */
 	return 0;
 }
 
@@ -337,9 +338,9 @@ int tsp_msm_open(struct tsp_tm *tm, const void *root,
 		goto bad;
 
 	for (b = 0; b < nr_blocks; b++) {
+		overflowed += sm->counts[b] == 3 && !sm->committed[b];
 		sm->committed[b] = !!sm->counts[b];
 		sm->nr_allocated += !!sm->counts[b];
-		overflowed += sm->counts[b] == 3;
 	}
 	if (overflowed) {
 		DMERR("metadata space map: %llu counts of 3 lack an overflow entry",
