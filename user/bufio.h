@@ -51,6 +51,12 @@ enum tsp_crash_mode {
 /* Write to the file what a crash in @mode leaves; clears the crash. */
 int tsp_bdev_crash_apply(struct block_device *bdev, enum tsp_crash_mode mode);
 
+/*
+ * Live allocations made by user/bufio.c itself (devices, clients, buffers,
+ * volatile writes); tests check it returns to its start value.
+ */
+long tsp_bufio_live_allocs(void);
+
 #define DM_BUFIO_CLIENT_NO_SLEEP 0x1
 
 struct dm_bufio_client *
