@@ -1260,6 +1260,35 @@ static void test_callback_failures(void)
 	printf("ok   %s (%d injected)\n", phase, failed);
 }
 
+/* Out of metadata space: -ENOSPC, and the committed tree survives. */
+static void test_enospc(void)
+{
+	struct ctx *c = ctx_create(48, 8, true);
+	struct tree *t = c->t;
+	int r = 0, round;
+	u32 k;
+
+	phase = "out of metadata space";
+	key_stride = 1;
+	new_tree(c, &t[0]);
+	for (k = 0; k < 2000; k++)
+		CHECK_R(op_insert(c, &t[0], k, k % NV), 0);
+	commit(c);
+	for (round = 0; round < 3; round++) {
+		for (k = 2000; !r; k++)
+			r = op_insert(c, &t[0], k, k % NV);
+		CHECK_R(r, -ENOSPC);
+		CHECK(tsp_tm_nr_free(c->tm) == 0);
+		r = 0;
+		reopen(c);
+		verify(c);
+	}
+	del_tree(c, &t[0]);
+	commit(c);
+	ctx_destroy(c);
+	printf("ok   %s\n", phase);
+}
+
 /* Copy of the committed superblock block, to roll a later commit back. */
 static void save_superblock(struct ctx *c, u8 *copy)
 {
@@ -1400,6 +1429,7 @@ int main(int argc, char **argv)
 	test_alloc_failures();
 	test_callback_failures();
 	test_io_failures();
+	test_enospc();
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		test_shared(&vts[v]);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
