@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # tests/vm/lib.sh: helpers for the guest-side test files tests/vm/t-*.sh.
 # Runs inside the VM (scripts/vm-run), as root, with the host's tools.
 #
@@ -38,11 +39,12 @@ export DM_DISABLE_UDEV=1
 TSP_SPLAT_RE='(^|[^A-Za-z_])(BUG|WARNING):|kernel BUG at|Oops|general protection fault|Kernel panic|unreferenced object|hung_task|blocked for more than|possible circular locking|inconsistent lock state|possible recursive locking|suspicious RCU usage|UBSAN:|KASAN:'
 
 TSP_FILE=$(basename "$0" .sh)
+# The directory of the test files, for fixtures.
+export TSP_LIBDIR
 TSP_LIBDIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 TSP_PASSED=0
 TSP_FAILED=0
 TSP_SKIPPED=0
-TSP_TEST=
 TSP_BEGIN_MARK=
 
 # --- messages ------------------------------------------------------------
@@ -172,14 +174,14 @@ dm_names() {
 
 # Remove the given dm devices, users before what they sit on.
 dm_remove_all() {
-	local pass n left=("$@")
+	local n left=("$@")
 	for n in "${left[@]}"; do
 		# A device left suspended would hold up IO and removal.
 		if dmsetup info "$n" 2>/dev/null | grep -q '^State: *SUSPENDED'; then
 			dmsetup resume "$n" 2>/dev/null || true
 		fi
 	done
-	for pass in 1 2 3 4 5; do
+	for _ in 1 2 3 4 5; do
 		local still=()
 		for n in "${left[@]}"; do
 			dm_exists "$n" || continue
@@ -238,7 +240,6 @@ run_test() {
 	if [ -n "${TSP_TEST_FILTER:-}" ] && ! [[ $name =~ $TSP_TEST_FILTER ]]; then
 		return 0
 	fi
-	TSP_TEST=$name
 	echo "--- $name"
 	before=$(dm_names)
 	TSP_BEGIN_MARK=$(kmsg_mark "begin $name")
@@ -288,7 +289,6 @@ run_test() {
 	77) TSP_SKIPPED=$((TSP_SKIPPED + 1)); _tsp_record SKIP "$name" ;;
 	*) TSP_FAILED=$((TSP_FAILED + 1)); _tsp_record FAIL "$name" ;;
 	esac
-	TSP_TEST=
 	return 0
 }
 

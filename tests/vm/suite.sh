@@ -5,7 +5,7 @@
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
-cd "$here"
+cd "$here" || exit 1
 
 results=${VM_OUT:-/tmp}/results.txt
 : >"$results"
@@ -21,7 +21,7 @@ echo "=== kernel $(uname -r), $(nproc) cpus${VM_MODULE:+, module $VM_MODULE}"
 t0=$EPOCHREALTIME
 for f in "${files[@]}"; do
 	f=${f#tests/vm/}
-	[ -f "$f" ] || { echo "suite: no test file $f" >&2; echo "FAIL $f:missing" >>"$results"; continue; }
+	[ -f "$f" ] || { echo "suite: no test file $f" >&2; echo "FAIL $(basename "$f" .sh):missing" >>"$results"; continue; }
 	echo "=== $f"
 	before=$(grep -c '^FAIL ' "$results" || true)
 	bash "$f"
@@ -29,8 +29,8 @@ for f in "${files[@]}"; do
 	now=$(grep -c '^FAIL ' "$results" || true)
 	if [ "$rc" != 0 ] && [ "$now" = "$before" ]; then
 		# The file failed outside any test (syntax error, setup...).
-		echo "FAIL ${f%.sh}:file (exit $rc)"
-		echo "FAIL ${f%.sh}:file" >>"$results"
+		echo "FAIL $(basename "$f" .sh):file (exit $rc)"
+		echo "FAIL $(basename "$f" .sh):file" >>"$results"
 	fi
 done
 

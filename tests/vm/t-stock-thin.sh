@@ -3,6 +3,7 @@
 # thin): they prove that RAM disks, dmsetup, fio, thin_check and the kernel
 # log checks work end to end in the guest, and give the baseline behaviour
 # our targets must match.
+# shellcheck source=tests/vm/lib.sh
 . "$(dirname "$0")/lib.sh"
 
 BLOCK_SECTORS=128 # 64 KiB data blocks
@@ -35,7 +36,7 @@ make_pool() {
 }
 
 test_thin_write_snapshot() {
-	local thin=/dev/mapper/tsp-thin0 snap=/dev/mapper/tsp-snap1 used exp mapped
+	local thin=/dev/mapper/tsp-thin0 snap=/dev/mapper/tsp-snap1 exp mapped
 
 	make_pool
 	assert_eq "0" "$(pool_used_blocks tsp-pool)" "data blocks used by a new pool"
@@ -60,7 +61,7 @@ test_thin_write_snapshot() {
 	fio --name=verify --filename=$thin --offset=64M --size=16M --rw=randwrite \
 		--bs=4k --direct=1 --ioengine=libaio --iodepth=16 \
 		--verify=crc32c --verify_fatal=1 --do_verify=1 \
-		--output=fio.log || { cat fio.log; fail "fio verify failed"; }
+		--eta=never --output=fio.log || { cat fio.log; fail "fio verify failed"; }
 	exp=$((exp + $(blocks_of_mib 16)))
 	assert_eq "$exp" "$(pool_used_blocks tsp-pool)" "data blocks used after fio"
 
