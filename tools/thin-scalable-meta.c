@@ -40,6 +40,15 @@ void tsm_err(const char *fmt, ...)
 	fputc('\n', stderr);
 }
 
+const char *tsm_strerror(int r)
+{
+	if (r == -EILSEQ)
+		return "corrupt or unsupported metadata";
+	if (r == -ENODATA)
+		return "no pool metadata here";
+	return strerror(-r);
+}
+
 int tsm_image_size(const char *path, u64 *bytes)
 {
 	struct stat st;
@@ -131,7 +140,7 @@ int tsm_open_pool(const char *path, bool read_only, struct block_device **bdev,
 	r = tsp_pool_metadata_open(*bdev, 0, 0, false, pmd);
 	if (r) {
 		tsm_err("%s: cannot open the pool metadata: %s", path,
-			strerror(-r));
+			tsm_strerror(r));
 		tsp_bdev_close(*bdev);
 		*bdev = NULL;
 		return -1;
@@ -218,7 +227,7 @@ static int cmd_check(int argc, char **argv)
 	r = tsp_pool_check(pmd);
 	if (r) {
 		tsm_err("%s: the metadata is inconsistent: %s", argv[1],
-			strerror(-r));
+			tsm_strerror(r));
 		rc = 1;
 	}
 	if (tsm_close_pool(bdev, pmd) && !rc) {

@@ -116,6 +116,9 @@ int tsm_close_pool(struct block_device *bdev, struct tsp_pool_metadata *pmd);
 int tsm_cmd_restore(int argc, char **argv);
 int tsm_cmd_stress(int argc, char **argv);
 
+/* strerror(-@r), with plain words for the library's -EILSEQ. */
+const char *tsm_strerror(int r);
+
 /* Print "thin-scalable-meta: <msg>" to stderr. */
 void tsm_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

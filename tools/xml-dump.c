@@ -55,6 +55,9 @@ static int collect_dev(void *context, tsp_thin_id dev,
 /* The run being built while mappings are walked. */
 struct run {
 	FILE *out;
+	tsp_thin_id dev;
+	tsp_block_t nr_data_blocks;	/* mappings must stay below */
+	bool bad;			/* one did not: reported */
 	bool active;
 	tsp_block_t virt;	/* first virtual block */
 	tsp_block_t data;	/* first data block */
@@ -83,6 +86,14 @@ static int emit_mapping(void *context, tsp_block_t virt, tsp_block_t data,
 {
 	struct run *r = context;
 
+	if (data >= r->nr_data_blocks) {
+		tsm_err("device %llu: virtual block %llu maps to data block %llu, beyond the %llu data blocks",
+			(unsigned long long)r->dev, (unsigned long long)virt,
+			(unsigned long long)data,
+			(unsigned long long)r->nr_data_blocks);
+		r->bad = true;
+		return -EILSEQ;
+	}
 	if (r->active && virt == r->virt + r->len &&
 	    data == r->data + r->len && time == r->time) {
 		r->len++;
@@ -98,10 +109,14 @@ static int emit_mapping(void *context, tsp_block_t virt, tsp_block_t data,
 }
 
 static int dump_device(struct tsp_pool_metadata *pmd, FILE *out,
-		       const struct dump_dev *dd)
+		       const struct tsp_pool_info *info, const struct dump_dev *dd)
 {
 	struct tsp_thin_device *td;
-	struct run run = { .out = out };
+	struct run run = {
+		.out = out,
+		.dev = dd->id,
+		.nr_data_blocks = info->nr_data_blocks,
+	};
 	int r;
 
 	fprintf(out, "  <device dev_id=\"%llu\" mapped_blocks=\"%llu\" transaction=\"%llu\" creation_time=\"%u\" snap_time=\"%u\">\n",
@@ -113,14 +128,15 @@ static int dump_device(struct tsp_pool_metadata *pmd, FILE *out,
 	r = tsp_pool_open_thin_device(pmd, dd->id, &td);
 	if (r) {
 		tsm_err("cannot open device %llu: %s",
-			(unsigned long long)dd->id, strerror(-r));
+			(unsigned long long)dd->id, tsm_strerror(r));
 		return r;
 	}
 	r = tsp_thin_walk_mappings(td, emit_mapping, &run);
 	tsp_pool_close_thin_device(td);
 	if (r) {
-		tsm_err("cannot walk the mappings of device %llu: %s",
-			(unsigned long long)dd->id, strerror(-r));
+		if (!run.bad)
+			tsm_err("cannot walk the mappings of device %llu: %s",
+				(unsigned long long)dd->id, tsm_strerror(r));
 		return r;
 	}
 	run_flush(&run);
@@ -137,12 +153,12 @@ int tsm_dump_pool(struct tsp_pool_metadata *pmd, FILE *out)
 
 	r = tsp_pool_get_info(pmd, &info);
 	if (r) {
-		tsm_err("cannot read the superblock: %s", strerror(-r));
+		tsm_err("cannot read the superblock: %s", tsm_strerror(r));
 		return r;
 	}
 	r = tsp_pool_walk_devices(pmd, collect_dev, &list);
 	if (r) {
-		tsm_err("cannot walk the devices: %s", strerror(-r));
+		tsm_err("cannot walk the devices: %s", tsm_strerror(r));
 		goto out;
 	}
 
@@ -151,7 +167,7 @@ int tsm_dump_pool(struct tsp_pool_metadata *pmd, FILE *out)
 		info.flags, info.version, info.data_block_size,
 		(unsigned long long)info.nr_data_blocks);
 	for (i = 0; i < list.nr; i++) {
-		r = dump_device(pmd, out, &list.devs[i]);
+		r = dump_device(pmd, out, &info, &list.devs[i]);
 		if (r)
 			goto out;
 	}

@@ -79,13 +79,13 @@ static int restore_device(struct tsp_pool_metadata *pmd, const char *image,
 	r = tsp_pool_restore_thin(pmd, xd->dev_id, &details);
 	if (r) {
 		tsm_err("%s: cannot create device %llu: %s", image,
-			(unsigned long long)xd->dev_id, strerror(-r));
+			(unsigned long long)xd->dev_id, tsm_strerror(r));
 		return r;
 	}
 	r = tsp_pool_open_thin_device(pmd, xd->dev_id, &td);
 	if (r) {
 		tsm_err("%s: cannot open device %llu: %s", image,
-			(unsigned long long)xd->dev_id, strerror(-r));
+			(unsigned long long)xd->dev_id, tsm_strerror(r));
 		return r;
 	}
 	for (i = 0; i < xd->nr_maps; i++) {
@@ -99,7 +99,7 @@ static int restore_device(struct tsp_pool_metadata *pmd, const char *image,
 					image, (unsigned long long)xd->dev_id,
 					(unsigned long long)(m->origin + j),
 					(unsigned long long)(m->data + j),
-					m->line, strerror(-r),
+					m->line, tsm_strerror(r),
 					r == -ENOSPC ? ": the metadata device is too small" : "");
 				goto out;
 			}
@@ -108,7 +108,7 @@ static int restore_device(struct tsp_pool_metadata *pmd, const char *image,
 	r = tsp_thin_get_mapped_count(td, &count);
 	if (r) {
 		tsm_err("%s: device %llu: cannot read the mapped count: %s",
-			image, (unsigned long long)xd->dev_id, strerror(-r));
+			image, (unsigned long long)xd->dev_id, tsm_strerror(r));
 		goto out;
 	}
 	if (count != xd->nr_blocks) {
@@ -139,7 +139,7 @@ static int restore(const struct tsm_xml *x, const char *image)
 				   x->nr_data_blocks, true, &pmd);
 	if (r) {
 		tsm_err("%s: cannot format the metadata: %s%s", image,
-			strerror(-r),
+			tsm_strerror(r),
 			r == -ENOSPC ? ": the device is too small" : "");
 		tsp_bdev_close(bdev);
 		return -1;
@@ -148,7 +148,7 @@ static int restore(const struct tsm_xml *x, const char *image)
 					x->flags);
 	if (r) {
 		tsm_err("%s: cannot set the superblock: %s", image,
-			strerror(-r));
+			tsm_strerror(r));
 		goto fail;
 	}
 	for (i = 0; i < x->nr_devs; i++) {
@@ -158,7 +158,7 @@ static int restore(const struct tsm_xml *x, const char *image)
 	}
 	r = tsp_pool_commit_metadata(pmd);
 	if (r) {
-		tsm_err("%s: commit failed: %s%s", image, strerror(-r),
+		tsm_err("%s: commit failed: %s%s", image, tsm_strerror(r),
 			r == -ENOSPC ? ": the metadata device is too small" : "");
 		goto fail;
 	}
@@ -166,7 +166,7 @@ static int restore(const struct tsm_xml *x, const char *image)
 	tsp_bdev_close(bdev);
 	if (r) {
 		tsm_err("%s: closing the metadata failed: %s", image,
-			strerror(-r));
+			tsm_strerror(r));
 		return -1;
 	}
 	return 0;
