@@ -4,7 +4,8 @@
  *
  * Input format (a "fuzz image"):
  *   byte 0          flags: bit 0 = after a clean check, also update the
- *                   pool, commit, reopen and check again
+ *                   pool, commit, reopen and check again; bit 1 = update,
+ *                   commit and reopen also after a failed check
  *   bytes 1..64     one byte per metadata block 0..63: which checksum
  *                   to recompute after the input is laid out (0 none,
  *                   1 superblock, 2 btree node, 3 space map index,
@@ -14,13 +15,16 @@
  *                   are padded with zeroes to 64 blocks (256 KiB)
  *
  * Each input is written to a memfd and run through:
- *   tsp_pool_metadata_open (no format) -> tsp_pool_get_info ->
- *   tsp_pool_check -> if clean: every device, every mapping, lookups of
+ *   tsp_pool_metadata_open (no format) -> tsp_pool_get_info, reference
+ *   counts of data blocks -> tsp_pool_check -> if clean: every device,
+ *   every mapping, lookups of
  *   mapped and unmapped blocks, mapped ranges; if not clean: only
  *   lookups bounded by the tree depth (walks of a corrupt tree may
  *   legitimately take as long as the tree is large)
  *   -> [flags bit 0, clean check: create, snapshot, insert, remove,
  *   delete, commit; close; reopen; the check must pass again]
+ *   -> [flags bit 1, failed check: the same updates on devices 0..3, as
+ *   the kernel makes on metadata it does not check; close; reopen]
  *   -> tsp_pool_metadata_close.
  * Nothing may crash, trip a sanitizer, WARN, hold a block at close or
  * leak (kmalloc and bufio counters are checked after every input).
@@ -58,7 +62,8 @@
 enum { T_NONE, T_SUPERBLOCK, T_NODE, T_INDEX, T_BITMAP, NR_TYPES };
 static const u32 salts[NR_TYPES] = { 0, 160774, 121107, 160478, 240779 };
 
-#define FLAG_UPDATE 1
+#define FLAG_UPDATE 1		/* update a pool that checks clean */
+#define FLAG_UPDATE_CORRUPT 2	/* ... and one that does not */
 
 static int fd = -1;
 static char path[64];
@@ -218,8 +223,10 @@ static void read_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 }
 
 /*
- * A pool that checked clean, changed through the API, committed and
- * reopened, must check clean again.
+ * Changes through the API, each allowed to fail (after a failure that
+ * leaves the metadata failed, the rest return -EPERM), then a commit, or
+ * an abort if that fails.  On a pool that checked clean, the commit must
+ * leave it checking clean.
  */
 static void update_pool(struct tsp_pool_metadata *pmd, const struct devs *devs)
 {
@@ -227,32 +234,43 @@ static void update_pool(struct tsp_pool_metadata *pmd, const struct devs *devs)
 	tsp_block_t data, v;
 	tsp_thin_id new_id = 1000;
 	unsigned int i;
-	int r;
 
-	r = tsp_pool_create_thin(pmd, new_id);
-	for (i = 0; !r && i < devs->nr && i < 3; i++)
-		r = tsp_pool_create_snap(pmd, new_id + 1 + i, devs->id[i]);
-	for (i = 0; !r && i < devs->nr && i < 4; i++) {
-		td = NULL;
-		r = tsp_pool_open_thin_device(pmd, devs->id[i], &td);
-		for (v = 0; !r && v < 8; v++) {
-			r = tsp_pool_alloc_data_block(pmd, &data);
-			if (!r)
-				r = tsp_thin_insert_block(td, v * 3 + i, data);
-		}
-		if (!r)
-			r = tsp_thin_remove_range(td, 5, 13);
-		if (!r)
-			ignore(tsp_thin_remove_block(td, 0));
-		if (td)
-			tsp_pool_close_thin_device(td);
+	ignore(tsp_pool_create_thin(pmd, new_id));
+	for (i = 0; i < devs->nr && i < 3; i++)
+		ignore(tsp_pool_create_snap(pmd, new_id + 1 + i, devs->id[i]));
+	for (i = 0; i < devs->nr && i < 4; i++) {
+		if (tsp_pool_open_thin_device(pmd, devs->id[i], &td))
+			continue;
+		for (v = 0; v < 8; v++)
+			if (!tsp_pool_alloc_data_block(pmd, &data))
+				ignore(tsp_thin_insert_block(td, v * 3 + i, data));
+		ignore(tsp_thin_remove_range(td, 5, 13));
+		ignore(tsp_thin_remove_block(td, 0));
+		tsp_pool_close_thin_device(td);
 	}
-	if (!r && devs->nr)
-		r = tsp_pool_delete_thin_device(pmd, devs->id[devs->nr - 1]);
-	if (!r)
-		r = tsp_pool_commit_metadata(pmd);
-	if (r)
+	if (devs->nr)
+		ignore(tsp_pool_delete_thin_device(pmd, devs->id[devs->nr - 1]));
+	if (tsp_pool_commit_metadata(pmd))
 		ignore(tsp_pool_abort_metadata(pmd));
+}
+
+/* Reference counts of data blocks, in and out of range. */
+static void poke_data_counts(struct tsp_pool_metadata *pmd)
+{
+	tsp_block_t n, probes[6];
+	unsigned int i;
+	u32 count;
+
+	if (tsp_pool_get_data_block_count(pmd, &n))
+		return;
+	probes[0] = 0;
+	probes[1] = n / 2;
+	probes[2] = n - 1;
+	probes[3] = n;
+	probes[4] = 16320;
+	probes[5] = n + 100000;
+	for (i = 0; i < ARRAY_SIZE(probes); i++)
+		ignore(tsp_pool_get_data_block_refcount(pmd, probes[i], &count));
 }
 
 static void run_image(u8 flags)
@@ -262,6 +280,7 @@ static void run_image(u8 flags)
 	struct tsp_pool_info info;
 	struct devs devs = { .nr = 0 };
 	tsp_block_t snap, n;
+	bool clean = false;
 	unsigned int i;
 	int r, round;
 
@@ -276,7 +295,7 @@ static void run_image(u8 flags)
 		if (!round)
 			last_open = r;
 		if (r) {
-			if (round)
+			if (clean)
 				die("reopen after a clean check and commit failed");
 			break;
 		}
@@ -285,30 +304,41 @@ static void run_image(u8 flags)
 		ignore(tsp_pool_get_free_block_count(pmd, &n));
 		ignore(tsp_pool_get_free_metadata_block_count(pmd, &n));
 		ignore(tsp_pool_metadata_needs_check(pmd));
+		poke_data_counts(pmd);
 
 		r = tsp_pool_check(pmd);
-		if (!round)
+		if (!round) {
 			last_check = r;
-		if (r && round)
+			clean = !r;
+		}
+		if (r && clean)
 			die("check failed after a clean check and our commit");
+		devs.nr = 0;
 		if (!r) {
 			if (tsp_pool_walk_devices(pmd, collect_dev, &devs))
 				die("device walk failed after a clean check");
 			for (i = 0; i < devs.nr; i++)
 				read_device(pmd, devs.id[i]);
 		} else {
-			for (i = 0; i < 4; i++)
+			/* Walks could take as long as the DAG is wide: lookups only. */
+			for (i = 0; i < 4; i++) {
 				poke_device(pmd, i);
+				devs.id[devs.nr++] = i;
+			}
 		}
 
-		if (r || round || !(flags & FLAG_UPDATE)) {
+		/*
+		 * The kernel does not check on open: a pool on corrupt metadata
+		 * still allocates, maps and commits until something fails.
+		 */
+		if (round || !(flags & (clean ? FLAG_UPDATE : FLAG_UPDATE_CORRUPT))) {
 			ignore(tsp_pool_metadata_close(pmd));
 			break;
 		}
 		update_pool(pmd, &devs);
-		if (tsp_pool_metadata_close(pmd))
+		r = tsp_pool_metadata_close(pmd);
+		if (r && clean)
 			die("close after a clean check failed");
-		devs.nr = 0;
 	}
 	tsp_bdev_close(bdev);
 
