@@ -90,6 +90,7 @@ enum {
 	AVOID_DEV_TRANS = 2,	/* new device's transaction id: pool's or 0 */
 	AVOID_ENOSPC = 4,	/* data -ENOSPC fails the metadata */
 	AVOID_HELD = 8,		/* changes lose a held snapshot's refs */
+	AVOID_ABORT_OPEN = 16,	/* handle open across abort of its creation */
 };
 
 static const struct {
@@ -100,6 +101,7 @@ static const struct {
 	{ "dev-trans", AVOID_DEV_TRANS },
 	{ "enospc", AVOID_ENOSPC },
 	{ "held", AVOID_HELD },
+	{ "abort-open", AVOID_ABORT_OPEN },
 };
 
 /* --- the model ----------------------------------------------------- */
@@ -124,6 +126,7 @@ struct mstate {
 	u64 trans;
 	u64 nr_data_blocks;
 	bool held;
+	u32 flags;		/* superblock flags: needs_check */
 	struct mdev *devs;	/* one per slot */
 	u32 *refs;		/* mappings per data block */
 };
@@ -149,6 +152,7 @@ enum op_kind {
 	OP_RELEASE,
 	OP_REOPEN,
 	OP_NEGATIVE,
+	OP_NEEDS_CHECK,
 	NR_OPS
 };
 
@@ -174,6 +178,7 @@ static const struct {
 	[OP_RELEASE] = { "release_metadata_snap", 2 },
 	[OP_REOPEN] = { "reopen", 1 },
 	[OP_NEGATIVE] = { "expected_error", 20 },
+	[OP_NEEDS_CHECK] = { "set_needs_check", 1 },
 };
 
 struct stress {
@@ -184,6 +189,7 @@ struct stress {
 	struct block_device *bdev;
 	struct tsp_pool_metadata *pmd;
 	u64 *ids;		/* slot -> device id */
+	struct tsp_thin_device **td;	/* slot -> handle kept open, or NULL */
 	struct mstate cur, committed, snap;
 	u64 counts[NR_OPS];
 	u64 nr_enospc, nr_verify, nr_external, nr_commits;
@@ -289,6 +295,7 @@ static void mstate_copy(struct mstate *dst, const struct mstate *src,
 	dst->trans = src->trans;
 	dst->nr_data_blocks = src->nr_data_blocks;
 	dst->held = src->held;
+	dst->flags = src->flags;
 	for (i = 0; i < o->devices; i++) {
 		struct mentry *map = dst->devs[i].map;
 
@@ -370,12 +377,55 @@ static u64 pick_virt(struct stress *s, unsigned int slot, bool mapped)
 
 /* --- library helpers ----------------------------------------------- */
 
-static int open_td(struct stress *s, unsigned int slot,
-		   struct tsp_thin_device **td)
+/*
+ * Thin device handles.  Some stay open across ops, commits, aborts and
+ * transaction boundaries (as a live thin target's do): get_td() returns
+ * the cached one or opens one, and caches half of those it opens;
+ * put_td() closes uncached ones and now and then a cached one.
+ */
+static int get_td(struct stress *s, unsigned int slot,
+		  struct tsp_thin_device **td)
 {
+	if (s->td[slot]) {
+		*td = s->td[slot];
+		return 0;
+	}
 	EXPECT_RC(s, tsp_pool_open_thin_device(s->pmd, s->ids[slot], td), 0,
 		  "open_thin_device(%llu)", (unsigned long long)s->ids[slot]);
+	if (tsp_thin_dev_id(*td) != s->ids[slot]) {
+		tsp_pool_close_thin_device(*td);
+		return diverge(s, "open_thin_device(%llu) gave device %llu",
+			       (unsigned long long)s->ids[slot],
+			       (unsigned long long)tsp_thin_dev_id(*td));
+	}
+	if (rnd(s, 2))
+		s->td[slot] = *td;
 	return 0;
+}
+
+static void drop_td(struct stress *s, unsigned int slot)
+{
+	if (s->td[slot])
+		tsp_pool_close_thin_device(s->td[slot]);
+	s->td[slot] = NULL;
+}
+
+static void put_td(struct stress *s, unsigned int slot,
+		   struct tsp_thin_device *td)
+{
+	if (td != s->td[slot])
+		tsp_pool_close_thin_device(td);
+	else if (!rnd(s, 16))
+		drop_td(s, slot);
+}
+
+static void drop_all_td(struct stress *s)
+{
+	unsigned int slot;
+
+	if (s->td)
+		for (slot = 0; slot < s->o.devices; slot++)
+			drop_td(s, slot);
 }
 
 /* Look @virt up in the library and compare with the model. */
@@ -597,21 +647,23 @@ static int compare_xml(struct stress *s, const struct tsm_xml *x,
 {
 	/* A metadata snapshot has no data space map: thin_dump -m says 0. */
 	u64 nr_data = metadata_snap ? 0 : m->nr_data_blocks;
+	/* The held copy's flags mean nothing to anyone: not compared. */
+	u32 flags = metadata_snap ? x->flags : m->flags;
 	unsigned int slot;
 	size_t di = 0;
 
 	if (x->time != m->time || x->transaction != m->trans ||
 	    x->nr_data_blocks != nr_data ||
 	    x->data_block_size != s->o.data_block_size ||
-	    x->version != 2 || x->flags != 0)
-		return diverge(s, "%s: superblock time %u transaction %llu nr_data_blocks %llu data_block_size %u version %u flags %u; model: %u %llu %llu %u 2 0",
+	    x->version != 2 || x->flags != flags)
+		return diverge(s, "%s: superblock time %u transaction %llu nr_data_blocks %llu data_block_size %u version %u flags %u; model: %u %llu %llu %u 2 %u",
 			       what, x->time,
 			       (unsigned long long)x->transaction,
 			       (unsigned long long)x->nr_data_blocks,
 			       x->data_block_size, x->version, x->flags,
 			       m->time, (unsigned long long)m->trans,
 			       (unsigned long long)nr_data,
-			       s->o.data_block_size);
+			       s->o.data_block_size, flags);
 
 	/* Slots in id order: the dump lists devices sorted by id. */
 	for (;;) {
@@ -866,7 +918,7 @@ static int verify_device(struct stress *s, unsigned int slot)
 	u64 v, last = NO_BLOCK;
 	int r;
 
-	if (open_td(s, slot, &td))
+	if (get_td(s, slot, &td))
 		return -1;
 	r = check_mapped_count(s, td, slot);
 	if (r)
@@ -916,7 +968,7 @@ static int verify_device(struct stress *s, unsigned int slot)
 	}
 	r = 0;
 out:
-	tsp_pool_close_thin_device(td);
+	put_td(s, slot, td);
 	return r;
 }
 
@@ -935,9 +987,10 @@ static int verify(struct stress *s)
 	if (info.time != s->cur.time || info.transaction_id != s->cur.trans ||
 	    info.nr_data_blocks != s->cur.nr_data_blocks ||
 	    info.data_block_size != s->o.data_block_size ||
-	    info.version != 2 || info.flags != 0 ||
+	    info.version != 2 || info.flags != s->cur.flags ||
+	    tsp_pool_metadata_needs_check(s->pmd) != !!(s->cur.flags & 1) ||
 	    !info.metadata_snap != !s->cur.held)
-		return diverge(s, "get_info: time %u transaction %llu nr_data_blocks %llu data_block_size %u version %u flags %u metadata_snap %llu; model: %u %llu %llu %u 2 0 %s",
+		return diverge(s, "get_info: time %u transaction %llu nr_data_blocks %llu data_block_size %u version %u flags %u metadata_snap %llu; model: %u %llu %llu %u 2 %u %s",
 			       info.time,
 			       (unsigned long long)info.transaction_id,
 			       (unsigned long long)info.nr_data_blocks,
@@ -945,7 +998,7 @@ static int verify(struct stress *s)
 			       (unsigned long long)info.metadata_snap,
 			       s->cur.time, (unsigned long long)s->cur.trans,
 			       (unsigned long long)s->cur.nr_data_blocks,
-			       s->o.data_block_size,
+			       s->o.data_block_size, s->cur.flags,
 			       s->cur.held ? "held" : "none");
 	EXPECT_RC(s, tsp_pool_get_metadata_snap(s->pmd, &snap), 0,
 		  "get_metadata_snap");
@@ -1089,6 +1142,11 @@ static int op_delete(struct stress *s)
 
 	if (slot < 0)
 		return 0;
+	if (s->td[slot] && !rnd(s, 4))
+		EXPECT_RC(s, tsp_pool_delete_thin_device(s->pmd, s->ids[slot]),
+			  -EBUSY, "delete(%llu) while open",
+			  (unsigned long long)s->ids[slot]);
+	drop_td(s, slot);
 	EXPECT_RC(s, tsp_pool_delete_thin_device(s->pmd, s->ids[slot]), 0,
 		  "delete(%llu)", (unsigned long long)s->ids[slot]);
 	trace(s, "dev %llu", (unsigned long long)s->ids[slot]);
@@ -1112,7 +1170,7 @@ static int op_insert(struct stress *s, bool overwrite, u64 n)
 	v = pick_virt(s, slot, overwrite);
 	if (v == NO_BLOCK)
 		return 0;
-	if (open_td(s, slot, &td))
+	if (get_td(s, slot, &td))
 		return -1;
 	for (i = 0; i < n && v + i < s->o.virt_blocks; i++) {
 		if (!overwrite && s->cur.devs[slot].map[v + i].data != NO_BLOCK)
@@ -1123,7 +1181,7 @@ static int op_insert(struct stress *s, bool overwrite, u64 n)
 	}
 	if (!r)
 		r = check_mapped_count(s, td, slot);
-	tsp_pool_close_thin_device(td);
+	put_td(s, slot, td);
 	return r;
 }
 
@@ -1139,11 +1197,11 @@ static int op_remove(struct stress *s)
 	v = pick_virt(s, slot, true);
 	if (v == NO_BLOCK)
 		return op_insert(s, false, 1);
-	if (open_td(s, slot, &td))
+	if (get_td(s, slot, &td))
 		return -1;
 	r = tsp_thin_remove_block(td, v);
 	if (r) {
-		tsp_pool_close_thin_device(td);
+		put_td(s, slot, td);
 		EXPECT_RC(s, r, 0, "remove_block(dev %llu, %llu)",
 			  (unsigned long long)s->ids[slot],
 			  (unsigned long long)v);
@@ -1154,7 +1212,7 @@ static int op_remove(struct stress *s)
 	r = check_lookup(s, td, slot, v);
 	if (!r)
 		r = check_mapped_count(s, td, slot);
-	tsp_pool_close_thin_device(td);
+	put_td(s, slot, td);
 	return r;
 }
 
@@ -1169,11 +1227,11 @@ static int op_remove_range(struct stress *s)
 		return 0;
 	b = rnd(s, nv);
 	e = rnd(s, 4) ? b + 1 + rnd(s, nv / 8) : b + 1 + rnd(s, 2 * nv);
-	if (open_td(s, slot, &td))
+	if (get_td(s, slot, &td))
 		return -1;
 	r = tsp_thin_remove_range(td, b, e);
 	if (r) {
-		tsp_pool_close_thin_device(td);
+		put_td(s, slot, td);
 		EXPECT_RC(s, r, 0, "remove_range(dev %llu, %llu, %llu)",
 			  (unsigned long long)s->ids[slot],
 			  (unsigned long long)b, (unsigned long long)e);
@@ -1185,7 +1243,7 @@ static int op_remove_range(struct stress *s)
 	r = check_mapped_count(s, td, slot);
 	if (!r && b < nv)
 		r = check_lookup(s, td, slot, b);
-	tsp_pool_close_thin_device(td);
+	put_td(s, slot, td);
 	return r;
 }
 
@@ -1200,10 +1258,10 @@ static int op_lookup(struct stress *s)
 	v = rnd(s, 2) ? pick_virt(s, slot, true) : NO_BLOCK;
 	if (v == NO_BLOCK)
 		v = rnd(s, s->o.virt_blocks + 16);
-	if (open_td(s, slot, &td))
+	if (get_td(s, slot, &td))
 		return -1;
 	r = check_lookup(s, td, slot, v);
-	tsp_pool_close_thin_device(td);
+	put_td(s, slot, td);
 	return r;
 }
 
@@ -1221,10 +1279,10 @@ static int op_find_range(struct stress *s)
 	d = &s->cur.devs[slot];
 	b = rnd(s, nv);
 	e = b + 1 + rnd(s, 64);
-	if (open_td(s, slot, &td))
+	if (get_td(s, slot, &td))
 		return -1;
 	r = tsp_thin_find_mapped_range(td, b, e, &tb, &te, &pb, &shared);
-	tsp_pool_close_thin_device(td);
+	put_td(s, slot, td);
 
 	for (v = b; v < e && v < nv && d->map[v].data == NO_BLOCK; v++)
 		;
@@ -1286,10 +1344,27 @@ static int op_resize(struct stress *s)
 	return 0;
 }
 
+/* Sets the flag and commits; nothing clears it again. */
+static int op_needs_check(struct stress *s)
+{
+	EXPECT_RC(s, tsp_pool_metadata_set_needs_check(s->pmd), 0,
+		  "set_needs_check");
+	s->cur.flags |= 1;
+	return do_commit(s, true);
+}
+
 static int op_abort(struct stress *s)
 {
+	unsigned int slot;
+
+	if (s->o.avoid & AVOID_ABORT_OPEN)
+		drop_all_td(s);
 	EXPECT_RC(s, tsp_pool_abort_metadata(s->pmd), 0, "abort");
 	mstate_copy(&s->cur, &s->committed, &s->o);
+	/* Handles of devices the abort undid go (a target's would too). */
+	for (slot = 0; slot < s->o.devices; slot++)
+		if (!s->cur.devs[slot].exists)
+			drop_td(s, slot);
 	return verify(s);
 }
 
@@ -1345,8 +1420,20 @@ static int pool_open(struct stress *s, bool format)
 
 static int pool_close(struct stress *s)
 {
+	unsigned int slot;
 	int r = 0;
 
+	for (slot = 0; s->pmd && slot < s->o.devices; slot++) {
+		if (s->td[slot] && !rnd(s, 4)) {
+			r = tsp_pool_metadata_close(s->pmd);
+			if (r != -EBUSY)
+				return diverge(s, "pool_metadata_close with device %llu open returned %d, expected -EBUSY",
+					       (unsigned long long)s->ids[slot], r);
+			break;
+		}
+	}
+	drop_all_td(s);
+	r = 0;
 	if (s->pmd)
 		r = tsp_pool_metadata_close(s->pmd);
 	s->pmd = NULL;
@@ -1417,10 +1504,10 @@ static int op_negative(struct stress *s)
 		v = pick_virt(s, slot, false);
 		if (v == NO_BLOCK)
 			return 0;
-		if (open_td(s, slot, &td))
+		if (get_td(s, slot, &td))
 			return -1;
 		r = tsp_thin_remove_block(td, v);
-		tsp_pool_close_thin_device(td);
+		put_td(s, slot, td);
 		EXPECT_RC(s, r, -ENODATA, "remove_block(dev %llu, %llu) of an unmapped block",
 			  (unsigned long long)s->ids[slot],
 			  (unsigned long long)v);
@@ -1489,6 +1576,8 @@ static int do_op(struct stress *s, enum op_kind k)
 		return op_reopen(s);
 	case OP_NEGATIVE:
 		return op_negative(s);
+	case OP_NEEDS_CHECK:
+		return op_needs_check(s);
 	case NR_OPS:
 		break;
 	}
@@ -1719,7 +1808,7 @@ static int parse_avoid(struct stress *s, const char *v)
 			if (!strcmp(tok, avoid_names[i].name))
 				break;
 		if (i == ARRAY_SIZE(avoid_names)) {
-			tsm_err("stress: --avoid: unknown '%s' (dup-id, dev-trans, enospc, held)",
+			tsm_err("stress: --avoid: unknown '%s' (dup-id, dev-trans, enospc, held, abort-open)",
 				tok);
 			free(list);
 			return -1;
@@ -1796,7 +1885,7 @@ int tsm_cmd_stress(int argc, char **argv)
 		i++;
 	}
 	if (!have_seed || !have_ops || !s->o.image) {
-		tsm_err("usage: thin-scalable-meta stress --seed N --ops M --image META.img [--devices K] [--external-every N] [--virt-blocks V] [--data-blocks D] [--max-data-blocks D] [--metadata-blocks B] [--data-block-size S] [--progress N] [--avoid dup-id,dev-trans,enospc,held] [-v]");
+		tsm_err("usage: thin-scalable-meta stress --seed N --ops M --image META.img [--devices K] [--external-every N] [--virt-blocks V] [--data-blocks D] [--max-data-blocks D] [--metadata-blocks B] [--data-block-size S] [--progress N] [--avoid dup-id,dev-trans,enospc,held,abort-open] [-v]");
 		goto out_usage;
 	}
 	if (dbs % TSP_DATA_BLOCK_SIZE_MIN_SECTORS) {
@@ -1834,7 +1923,8 @@ int tsm_cmd_stress(int argc, char **argv)
 				 "/usr/sbin/thin_dump");
 
 	s->ids = calloc(devices, sizeof(*s->ids));
-	if (!s->ids || mstate_init(&s->cur, &s->o) ||
+	s->td = calloc(devices, sizeof(*s->td));
+	if (!s->ids || !s->td || mstate_init(&s->cur, &s->o) ||
 	    mstate_init(&s->committed, &s->o) ||
 	    mstate_init(&s->snap, &s->o)) {
 		tsm_err("stress: out of memory");
@@ -1861,6 +1951,7 @@ int tsm_cmd_stress(int argc, char **argv)
 			avoid_arg ? avoid_arg : "");
 out:
 	if (s->pmd) {
+		drop_all_td(s);
 		/* Leave the image as last committed, for a post mortem. */
 		tsp_pool_metadata_read_only(s->pmd);
 		tsp_pool_metadata_close(s->pmd);
@@ -1871,6 +1962,7 @@ out:
 	mstate_free(&s->committed, &s->o);
 	mstate_free(&s->snap, &s->o);
 	free(s->ids);
+	free(s->td);
 	free(s);
 	return rc;
 out_usage:
