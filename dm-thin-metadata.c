@@ -775,6 +775,7 @@ int tsp_pool_create_thin(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 
 	if (r)
 		return r;
+	d.transaction_id = pmd->trans_id;
 	d.creation_time = pmd->time;
 	d.snapshotted_time = pmd->time;
 	return end_update(pmd, __create_thin(pmd, dev, &d));
@@ -819,6 +820,7 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	otd->snapshotted_time = pmd->time;
 	otd->changed = true;
 	d.mapped_blocks = otd->mapped_blocks;
+	d.transaction_id = pmd->trans_id;
 	d.creation_time = pmd->time;
 	d.snapshotted_time = pmd->time;
 	r = __add_device(pmd, dev, origin_root, &d);
@@ -1048,13 +1050,37 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 
 	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, td->id, &value);
 	if (r == -ENODATA) {
-		DMERR("thin device %llu has no mapping tree",
+		/* Deleted, or its creation was aborted, while open. */
+		DMERR("thin device %llu no longer exists",
 		      (unsigned long long)td->id);
-		return -EILSEQ;
+		return -ENODEV;
 	}
 	if (!r)
 		*root = le64_to_cpu(value);
 	return r;
+}
+
+/*
+ * The root of @td's mapping tree, for changing it.  The top-level path
+ * to the device is shadowed first: if it is shared (with a held metadata
+ * snapshot) the copy adds a reference to the device's root, so shadowing
+ * the root afterwards sees it as shared and copies what it points to too.
+ * Shadowing bottom-up instead would take over the root's children
+ * without their gaining the references the shared parent still holds.
+ */
+static int __device_root_for_update(struct tsp_thin_device *td,
+				    tsp_block_t *root)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	__le64 value;
+	int r;
+
+	r = __device_root(td, root);
+	if (r)
+		return r;
+	value = cpu_to_le64(*root);
+	return tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
+				&pmd->root, NULL);
 }
 
 /* Record that @td's mapping tree root moved from @old to @root. */
@@ -1181,7 +1207,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 		      (unsigned long long)data);
 		return -EINVAL;
 	}
-	r = __device_root(td, &old);
+	r = __device_root_for_update(td, &old);
 	if (!r)
 		r = tsp_btree_insert(&pmd->bl_info, old, virt, &value, &root,
 				     &inserted);
@@ -1214,7 +1240,7 @@ static int __remove_range(struct tsp_thin_device *td, tsp_block_t begin,
 	u64 nr;
 	int r;
 
-	r = __device_root(td, &old);
+	r = __device_root_for_update(td, &old);
 	if (!r)
 		r = tsp_btree_remove_range(&td->pmd->bl_info, old, begin, end,
 					   &root, &nr);
@@ -1237,7 +1263,7 @@ int tsp_thin_remove_block(struct tsp_thin_device *td, tsp_block_t virt)
 
 	if (r)
 		return r;
-	r = __device_root(td, &old);
+	r = __device_root_for_update(td, &old);
 	if (!r)
 		r = tsp_btree_remove(&pmd->bl_info, old, virt, &root);
 	if (!r)

@@ -205,6 +205,21 @@ static int read_node(struct tsp_btree_info *info, tsp_block_t b,
 	return r;
 }
 
+/*
+ * Only a root may be empty.  An empty node below the root, or keys that
+ * do not increase along a walk, mean a corrupt tree; a node reachable by
+ * many paths (a cycle or a "DAG bomb") is caught by one of the two before
+ * a walk can take exponential time.
+ */
+static int check_not_empty(struct tsp_block *b, int depth)
+{
+	if (!depth || nr_entries(node_of(b)))
+		return 0;
+	DMERR("btree node %llu below the root is empty",
+	      (unsigned long long)tsp_block_location(b));
+	return -EILSEQ;
+}
+
 /* A private copy now references everything the shared original did. */
 static int inc_children(struct tsp_btree_info *info, struct btree_node *n)
 {
@@ -702,6 +717,10 @@ static int del_node(struct tsp_btree_info *info, tsp_block_t b, int depth)
 	r = tsp_tm_ref(info->tm, b, &count);
 	if (r)
 		return r;
+	if (!count) {
+		DMERR("btree node %llu is referenced but free", (unsigned long long)b);
+		return -EILSEQ;
+	}
 	if (count > 1)
 		return tsp_tm_dec(info->tm, b);
 
@@ -792,7 +811,8 @@ static int lookup_next_in(struct tsp_btree_info *info, tsp_block_t b, u64 key,
 		return r;
 	n = node_of(blk);
 
-	if (is_leaf(n)) {
+	r = check_not_empty(blk, depth);
+	if (!r && is_leaf(n)) {
 		u32 pos = lower_bound(n, key);
 
 		r = -ENODATA;
@@ -802,10 +822,17 @@ static int lookup_next_in(struct tsp_btree_info *info, tsp_block_t b, u64 key,
 				memcpy(value, value_at(n, pos), info->vt.size);
 			r = 0;
 		}
-	} else {
+	} else if (!r) {
+		/*
+		 * If the child holding @key's range has nothing at or after
+		 * it, the next child's first key is the answer: two children
+		 * at most, so a corrupt tree cannot make this exponential.
+		 */
+		int first = max(child_index(n, key), 0);
+
 		r = -ENODATA;
-		for (i = max(child_index(n, key), 0);
-		     r == -ENODATA && i < (int)nr_entries(n); i++)
+		for (i = first; r == -ENODATA && i < (int)nr_entries(n) &&
+		     i <= first + 1; i++)
 			r = lookup_next_in(info, child_at(n, i), key, found_key,
 					   value, depth + 1);
 	}
@@ -869,10 +896,17 @@ int tsp_btree_find_highest_key(struct tsp_btree_info *info, tsp_block_t root,
 	return -EILSEQ;
 }
 
-static int walk_node(struct tsp_btree_info *info, tsp_block_t b,
-		     int (*fn)(void *context, u64 key, void *value),
-		     void *context, int depth)
+struct walk_args {
+	struct tsp_btree_info *info;
+	int (*fn)(void *context, u64 key, void *value);
+	void *context;
+	bool seen_any;
+	u64 last_key;
+};
+
+static int walk_node(struct walk_args *a, tsp_block_t b, int depth)
 {
+	struct tsp_btree_info *info = a->info;
 	struct tsp_block *blk;
 	struct btree_node *n;
 	u32 i;
@@ -887,11 +921,22 @@ static int walk_node(struct tsp_btree_info *info, tsp_block_t b,
 	if (r)
 		return r;
 	n = node_of(blk);
+	r = check_not_empty(blk, depth);
 	for (i = 0; !r && i < nr_entries(n); i++) {
-		if (is_leaf(n))
-			r = fn(context, key_at(n, i), value_at(n, i));
-		else
-			r = walk_node(info, child_at(n, i), fn, context, depth + 1);
+		if (!is_leaf(n)) {
+			r = walk_node(a, child_at(n, i), depth + 1);
+			continue;
+		}
+		if (a->seen_any && key_at(n, i) <= a->last_key) {
+			DMERR("btree node %llu: key %llu out of order",
+			      (unsigned long long)b,
+			      (unsigned long long)key_at(n, i));
+			r = -EILSEQ;
+			break;
+		}
+		a->seen_any = true;
+		a->last_key = key_at(n, i);
+		r = a->fn(a->context, key_at(n, i), value_at(n, i));
 	}
 	tsp_tm_unlock(info->tm, blk);
 	return r;
@@ -903,12 +948,17 @@ static int walk_node(struct tsp_btree_info *info, tsp_block_t b,
  * @root: the root
  * @fn: called with each key and value; non-zero stops the walk and is
  *	returned
+ *
+ * Returns -EILSEQ (after visiting a prefix) for keys that do not strictly
+ * increase or an empty node below the root.
  * @context: for @fn
  */
 int tsp_btree_walk(struct tsp_btree_info *info, tsp_block_t root,
 		   int (*fn)(void *context, u64 key, void *value), void *context)
 {
-	return walk_node(info, root, fn, context, 0);
+	struct walk_args a = { .info = info, .fn = fn, .context = context };
+
+	return walk_node(&a, root, 0);
 }
 
 struct check_args {
