@@ -232,7 +232,8 @@ int tsp_data_sm_open(struct tsp_tm *tm, const void *root,
 	}
 	if (r)
 		goto bad;
-	memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
+	if (sm->nr_bitmaps)
+		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 
 	*result = sm;
 	return 0;
@@ -468,7 +469,8 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 			return r;
 		sm->dirty[i] = 0;
 	}
-	memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
+	if (sm->nr_bitmaps)
+		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 
 	memset(root, 0, TSP_SM_ROOT_SIZE);
 	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);
