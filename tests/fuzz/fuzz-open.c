@@ -40,7 +40,8 @@
  *                                       (block types found from their
  *                                       checksums), flags F (default 1)
  *       fuzz-open --make KIND IMAGE     a 64-block pool made by our own
- *                                       library: empty, thin, snap, many
+ *                                       library: empty, nodata (no data
+ *                                       blocks), thin, snap, many
  *
  * The library's messages go to /dev/null unless TSP_FUZZ_VERBOSE=1:
  * stderr (the stdio stream, not fd 2, which sanitizer reports use) is
@@ -456,8 +457,9 @@ static int make(const char *kind, const char *out)
 	if (pwrite(fd, image, IMAGE_SIZE, 0) != IMAGE_SIZE)
 		die("pwrite");
 	bdev = tsp_bdev_open(path, false);
-	r = tsp_pool_metadata_open(bdev, 128, 20000, true, &pmd);
-	if (!r && strcmp(kind, "empty")) {
+	r = tsp_pool_metadata_open(bdev, 128, strcmp(kind, "nodata") ? 20000 : 0,
+				   true, &pmd);
+	if (!r && strcmp(kind, "empty") && strcmp(kind, "nodata")) {
 		r = tsp_pool_create_thin(pmd, 1);
 		r = r ?: tsp_pool_open_thin_device(pmd, 1, &td);
 		for (v = 0; !r && v < 300; v++) {
@@ -511,7 +513,7 @@ int main(int argc, char **argv)
 		return make(argv[2], argv[3]);
 	if (argc < 2 || argv[1][0] == '-') {
 		fprintf(stdout, "usage: %s FILE... | --pack IMAGE OUT [FLAGS] | "
-			"--make empty|thin|snap|many IMAGE\n", argv[0]);
+			"--make empty|nodata|thin|snap|many IMAGE\n", argv[0]);
 		return 2;
 	}
 	for (i = 1; i < argc; i++) {
