@@ -703,9 +703,26 @@ static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	return 0;
 }
 
+/* Drop @td from the in-core list and free it. */
+static void __forget_device(struct tsp_pool_metadata *pmd,
+			    struct tsp_thin_device *td)
+{
+	struct tsp_thin_device **link;
+
+	for (link = &pmd->devices; *link; link = &(*link)->next) {
+		if (*link == td) {
+			*link = td->next;
+			kfree(td);
+			return;
+		}
+	}
+}
+
+/* Closed and unchanged, a device need not stay in core until commit. */
 static void __close_device(struct tsp_thin_device *td)
 {
-	td->open_count--;
+	if (!--td->open_count && !td->changed)
+		__forget_device(td->pmd, td);
 }
 
 /* Add a device with the given details and mapping tree root. */
@@ -841,7 +858,7 @@ int tsp_pool_create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 
 static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 {
-	struct tsp_thin_device *td, **link;
+	struct tsp_thin_device *td;
 	int r;
 
 	td = find_open(pmd, dev);
@@ -868,13 +885,8 @@ static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 	if (r)
 		return r;
 
-	for (link = &pmd->devices; *link; link = &(*link)->next) {
-		if (*link == td) {
-			*link = td->next;
-			kfree(td);
-			break;
-		}
-	}
+	if (td)
+		__forget_device(pmd, td);
 	return 0;
 }
 
@@ -1031,9 +1043,11 @@ int tsp_pool_open_thin_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 
 void tsp_pool_close_thin_device(struct tsp_thin_device *td)
 {
-	down_write(&td->pmd->root_lock);
+	struct tsp_pool_metadata *pmd = td->pmd;
+
+	down_write(&pmd->root_lock);
 	__close_device(td);
-	up_write(&td->pmd->root_lock);
+	up_write(&pmd->root_lock);
 }
 
 tsp_thin_id tsp_thin_dev_id(struct tsp_thin_device *td)
