@@ -31,7 +31,9 @@
  *
  * Two builds:
  *   libFuzzer:   clang -fsanitize=fuzzer,address,undefined (see
- *                scripts/fuzz-meta); LLVMFuzzerTestOneInput below
+ *                scripts/fuzz-meta); LLVMFuzzerTestOneInput below, and a
+ *                custom mutator that aims half of the mutations at the
+ *                fields of the blocks
  *   standalone:  any compiler with -DTSP_FUZZ_STANDALONE; main() runs
  *                inputs given as files (reproducing a crash without
  *                libFuzzer), and makes seed inputs:
@@ -357,6 +359,99 @@ int LLVMFuzzerTestOneInput(const u8 *data, size_t size)
 	run_image(layout(data, size));
 	return 0;
 }
+
+#ifndef TSP_FUZZ_STANDALONE
+/* ------------------------------------------------------------------ */
+/* libFuzzer: a mutator that knows where the fields are                */
+/* ------------------------------------------------------------------ */
+
+size_t LLVMFuzzerMutate(u8 *data, size_t size, size_t max_size);
+size_t LLVMFuzzerCustomMutator(u8 *data, size_t size, size_t max_size,
+			       unsigned int seed);
+
+static u64 mut_rng;
+
+static u64 mut_rnd(void)
+{
+	u64 z = (mut_rng += 0x9e3779b97f4a7c15ULL);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+	return z ^ (z >> 31);
+}
+
+/*
+ * Random byte mutations mostly land in zeroes nobody reads (free bitmap
+ * entries, unused node slots).  Half of the time, overwrite a field
+ * instead: a 1, 2, 4 or 8 byte aligned value in a block's header, its
+ * first keys or values, or anywhere, with a boundary value, a small
+ * number (block numbers, counts, flags), the old value +-1, a copy of
+ * another field, or random bits; sometimes change which checksum the
+ * harness fixes.  The other half, libFuzzer's own mutations.
+ */
+size_t LLVMFuzzerCustomMutator(u8 *data, size_t size, size_t max_size,
+			       unsigned int seed)
+{
+	static const u64 special[] = { 0, 1, 2, 3, 4, 0x7f, 0x80, 0xff, 0xffff,
+				       0xffffffffULL, 0x80000000ULL, ~0ULL,
+				       ~0ULL >> 1, 16320, 255, 126, 252, 336 };
+	size_t nr_blocks, off, n, i;
+	unsigned int width;
+	u64 v, old;
+
+	mut_rng = seed;
+	if (size < FUZZ_HEADER + 64 || mut_rnd() % 2)
+		return LLVMFuzzerMutate(data, size, max_size);
+
+	nr_blocks = DIV_ROUND_UP(size - FUZZ_HEADER, BS);
+	n = 1 + mut_rnd() % 3;
+	for (i = 0; i < n; i++) {
+		size_t b = mut_rnd() % nr_blocks, base = FUZZ_HEADER + b * BS;
+		unsigned int where = mut_rnd() % 100;
+
+		if (where < 5) {
+			data[mut_rnd() % 2 ? 0 : 1 + b] = mut_rnd() % (NR_TYPES + 1);
+			continue;
+		}
+		width = 1u << (mut_rnd() % 4);
+		if (where < 55)
+			off = mut_rnd() % 64;			/* headers */
+		else if (where < 85)
+			off = 32 + 8 * (mut_rnd() % 64);	/* keys, entries */
+		else
+			off = mut_rnd() % BS;
+		off = base + (off & ~(size_t)(width - 1));
+		if (off + width > size)
+			continue;
+
+		old = 0;
+		memcpy(&old, data + off, width);	/* little-endian host */
+		switch (mut_rnd() % 6) {
+		case 0:
+		case 1:
+			v = special[mut_rnd() % ARRAY_SIZE(special)];
+			break;
+		case 2:
+			v = mut_rnd() % 80;		/* a block number */
+			break;
+		case 3:
+			v = old + (mut_rnd() % 2 ? 1 : -1);
+			break;
+		case 4: {
+			size_t from = FUZZ_HEADER + mut_rnd() % (size - FUZZ_HEADER - 8);
+
+			memcpy(&v, data + (from & ~(size_t)7), 8);
+			break;
+		}
+		default:
+			v = mut_rnd();
+			break;
+		}
+		memcpy(data + off, &v, width);
+	}
+	return size;
+}
+#endif /* !TSP_FUZZ_STANDALONE */
 
 #ifdef TSP_FUZZ_STANDALONE
 /* ------------------------------------------------------------------ */
