@@ -7,13 +7,13 @@
 #
 # Three runs:
 #   main      100,000 ops over 10 device ids, plenty of space;
-#   enospc    20,000 ops with a small data device: allocation runs out,
+#   enospc    15,000 ops with a small data device: allocation runs out,
 #             the data device grows, commits go on;
-#   deep      20,000 ops over 2 devices with 100,000 virtual blocks each:
+#   deep      12,000 ops over 2 devices with 100,000 virtual blocks each:
 #             long runs make tall trees, drains empty them again.
 # Each checks the library after every commit and abort, and runs
 # tsp_pool_check, thin_check and thin_dump (compared with the model and
-# byte for byte with our dump) after every commit.  About 1.5 minutes with
+# byte for byte with our dump) after every commit.  About 2 minutes with
 # the ASan build on 2 cores.
 #
 # Environment: TSP_STRESS_SEED (default 1) picks another sequence;
@@ -49,9 +49,9 @@ run()
 }
 
 run main --ops 100000 --devices 10
-run enospc --ops 20000 --devices 8 --virt-blocks 1024 \
+run enospc --ops 15000 --devices 8 --virt-blocks 1024 \
 	--data-blocks 600 --max-data-blocks 1500
-run deep --ops 20000 --devices 2 --virt-blocks 100000 \
+run deep --ops 12000 --devices 2 --virt-blocks 100000 \
 	--metadata-blocks 8192
 
 echo "model: all runs passed"
