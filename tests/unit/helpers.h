@@ -65,17 +65,24 @@ static __maybe_unused double now_seconds(void)
 	return ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-/* One line per case group: "ok name (detail)" or "FAIL name (detail)". */
+static double last_report;
+
+/*
+ * One line per case group: "ok name" or "FAIL name", and the seconds
+ * since the previous report line (or the first call of now_seconds()).
+ */
 static __maybe_unused __attribute__((format(printf, 2, 3)))
 void report(int failures_before, const char *fmt, ...)
 {
+	double now = now_seconds();
 	va_list ap;
 
 	printf("%-4s ", failures == failures_before ? "ok" : "FAIL");
 	va_start(ap, fmt);
 	vprintf(fmt, ap);
 	va_end(ap);
-	putchar('\n');
+	printf(" [%.1fs]\n", last_report ? now - last_report : 0.0);
+	last_report = now;
 	fflush(stdout);
 }
 
