@@ -31,12 +31,24 @@ struct tsp_data_sm {
 	struct tsp_index_entry *index;		/* now */
 	struct tsp_index_entry *committed;	/* at the last commit */
 	u8 *dirty;				/* index entry changed */
-	u64 alloc_hint;				/* bitmap to search first */
+	/*
+	 * Where allocation searches first: below it in its bitmap every
+	 * block was in use or freed in this transaction, so searching there
+	 * again would mostly rescan.  Reset at commit, and before giving up.
+	 */
+	tsp_block_t alloc_cursor;
 };
 
 static u64 nr_bitmaps(tsp_block_t nr_blocks)
 {
-	return DIV_ROUND_UP(nr_blocks, TSP_ENTRIES_PER_BITMAP);
+	return nr_blocks / TSP_ENTRIES_PER_BITMAP +
+	       !!(nr_blocks % TSP_ENTRIES_PER_BITMAP);
+}
+
+/* Each bitmap takes a metadata block: more bitmaps than those cannot be. */
+static bool too_many_blocks(struct tsp_tm *tm, tsp_block_t nr_blocks)
+{
+	return nr_bitmaps(nr_blocks) > tsp_bm_nr_blocks(tsp_tm_bm(tm));
 }
 
 static u32 bitmap_entries(tsp_block_t nr_blocks, u64 i)
@@ -116,6 +128,8 @@ int tsp_data_sm_extend(struct tsp_data_sm *sm, tsp_block_t nr_blocks)
 		return -EINVAL;
 	if (nr_blocks == sm->nr_blocks)
 		return 0;
+	if (too_many_blocks(sm->tm, nr_blocks))
+		return -ENOSPC;
 
 	r = resize_index(sm, nr_bitmaps(nr_blocks));
 	if (r)
@@ -210,8 +224,7 @@ int tsp_data_sm_open(struct tsp_tm *tm, const void *root,
 	sm->nr_allocated = le64_to_cpu(disk_root.nr_allocated);
 	sm->index_root = le64_to_cpu(disk_root.bitmap_root);
 	sm->ref_root = le64_to_cpu(disk_root.ref_count_root);
-	if (sm->nr_allocated > sm->nr_blocks ||
-	    nr_bitmaps(sm->nr_blocks) > tsp_bm_nr_blocks(tsp_tm_bm(tm))) {
+	if (sm->nr_allocated > sm->nr_blocks || too_many_blocks(tm, sm->nr_blocks)) {
 		DMERR("data space map root is corrupt (%llu of %llu blocks allocated)",
 		      (unsigned long long)sm->nr_allocated,
 		      (unsigned long long)sm->nr_blocks);
@@ -383,7 +396,8 @@ int tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b)
 /*
  * A block of bitmap @i free now and at the last commit; -ENOSPC if none.
  */
-static int find_free_in(struct tsp_data_sm *sm, u64 i, tsp_block_t *result)
+static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start,
+			tsp_block_t *result)
 {
 	struct tsp_index_entry *ie = &sm->index[i];
 	tsp_block_t old_loc = sm->committed[i].blocknr;
@@ -403,7 +417,7 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, tsp_block_t *result)
 	}
 
 	r = -ENOSPC;
-	for (j = ie->none_free_before; j < nr; j++) {
+	for (j = max(ie->none_free_before, start); j < nr; j++) {
 		if (tsp_bitmap_get(tsp_block_data(now), j))
 			continue;
 		if (then && tsp_bitmap_get(tsp_block_data(then), j))
@@ -429,20 +443,28 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, tsp_block_t *result)
  */
 int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
 {
+	u64 first = sm->nr_bitmaps ? sm->alloc_cursor / TSP_ENTRIES_PER_BITMAP : 0;
 	u64 k, i;
+	u32 start;
 	int r;
 
 	for (k = 0; k < sm->nr_bitmaps; k++) {
-		i = (sm->alloc_hint + k) % sm->nr_bitmaps;
+		i = (first + k) % sm->nr_bitmaps;
 		if (!sm->index[i].nr_free)
 			continue;
-		r = find_free_in(sm, i, b);
+		start = k ? 0 : sm->alloc_cursor % TSP_ENTRIES_PER_BITMAP;
+		r = find_free_in(sm, i, start, b);
 		if (r == -ENOSPC)
 			continue;
 		if (r)
 			return r;
-		sm->alloc_hint = i;
+		sm->alloc_cursor = *b + 1;
 		return set_count(sm, *b, 0, 1);
+	}
+	if (sm->alloc_cursor) {
+		/* Blocks allocated and freed since may be reused: look again. */
+		sm->alloc_cursor = 0;
+		return tsp_data_sm_new_block(sm, b);
 	}
 	return -ENOSPC;
 }
@@ -471,6 +493,7 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 	}
 	if (sm->nr_bitmaps)
 		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
+	sm->alloc_cursor = 0;
 
 	memset(root, 0, TSP_SM_ROOT_SIZE);
 	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);

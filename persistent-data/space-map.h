@@ -8,9 +8,10 @@
  * the transaction commits (the committed metadata may still map it).
  *
  * Locking: none; the caller serialises.  Every function may sleep.
- * Return codes: 0; -ENOSPC when no block is free; -EINVAL for a block
- * beyond the end or a count that would go below zero; -EILSEQ for
- * corrupt metadata; -ENOMEM; IO errors.
+ * Return codes: 0; -ENOSPC when no block is free (or, for extend, the
+ * metadata device cannot hold the bitmaps); -EINVAL for a block beyond
+ * the end or a shrink; -EILSEQ for corrupt metadata, including a count
+ * that would go below zero; -ENOMEM; IO errors.
  */
 #ifndef TSP_SPACE_MAP_H
 #define TSP_SPACE_MAP_H
