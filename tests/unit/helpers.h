@@ -292,6 +292,16 @@ static __maybe_unused u64 hash_bytes(const void *buf, size_t len)
 /* Deterministic pseudo random numbers (xorshift64*). */
 static u64 rng_state = 0x9e3779b97f4a7c15ull;
 
+/* Any seed: mixed (splitmix64), and never the all-zero state. */
+static __maybe_unused void rng_seed(u64 seed)
+{
+	u64 z = seed + 0x9e3779b97f4a7c15ull;
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	rng_state = (z ^ (z >> 31)) | 1;
+}
+
 static __maybe_unused u64 rng(void)
 {
 	rng_state ^= rng_state >> 12;

@@ -23,7 +23,9 @@
  *   tsp_bdev_crash_apply(mode); reopen the image fresh
  *
  * and the reopened image must open, pass tsp_pool_check() and thin_check,
- * and be one of S0..Sn.  Calling the state index found s(mode, k):
+ * and be one of S0..Sn; and a new transaction on it (a copy, once per
+ * distinct image) must commit and pass tsp_pool_check() again.  Calling
+ * the state index found s(mode, k):
  *
  *   - s(DROP, k) never decreases with k, s(DROP, 0) = 0, and with no
  *     crash (k = E, the transaction's event count) it is n;
@@ -69,6 +71,7 @@ static const enum tsp_crash_mode crash_modes[NR_MODES] = {
 static const char *const mode_names[NR_MODES] = { "drop", "keep", "tear" };
 
 static char base_path[300], work_path[300], log_path[300], tool_log[300];
+static char reuse_path[300];
 static u8 *base_img;
 static size_t base_len;
 
@@ -343,11 +346,65 @@ static void record_state(bool reserve)
 	add_state(key);
 }
 
+/*
+ * The recovered pool must be usable, not only consistent: on a copy of
+ * the image, create a device, map blocks (reusing data and metadata
+ * blocks the crashed transaction had taken), remap shared ones, commit,
+ * then reopen and check.  Run once per distinct image (a new
+ * transaction only reads blocks in use, and overwrites the others).
+ */
+struct reuse_res {
+	int r;			/* the new transaction */
+	int check_r;		/* tsp_pool_check() after it */
+	bool leaked;
+};
+
+static void reuse_case(void *argp, void *resp)
+{
+	struct reuse_res *res = resp;
+	struct live_counts live = live_now();
+	struct tsp_pool_metadata *pmd;
+	struct block_device *bdev;
+	size_t len;
+	void *img = read_file(work_path, &len);
+	int r;
+
+	memset(res, 0, sizeof(*res));
+	r = img ? write_file(reuse_path, img, len) : -EIO;
+	free(img);
+	if (!r)
+		r = pool_open(reuse_path, 0, false, &bdev, &pmd);
+	if (r) {
+		res->r = r;
+		return;
+	}
+	r = tsp_pool_create_thin(pmd, 60);
+	if (!r)
+		r = map_blocks(pmd, 60, 0, 5, 200);
+	if (!r)
+		r = map_blocks(pmd, 1, 2, 25, 100);
+	if (!r)
+		r = tsp_pool_commit_metadata(pmd);
+	if (pool_close(bdev, pmd) && !r)
+		r = -EIO;
+	res->r = r;
+	if (!r) {
+		res->check_r = pool_open(reuse_path, 0, false, &bdev, &pmd);
+		if (!res->check_r) {
+			res->check_r = tsp_pool_check(pmd);
+			if (pool_close(bdev, pmd) && !res->check_r)
+				res->check_r = -EIO;
+		}
+	}
+	res->leaked = !live_same(live, live_now());
+}
+
 /* Verdicts on images, by content hash: thin_check and the state found. */
 struct image_verdict {
 	u64 hash;
 	int thin_check;
 	int state;
+	char reuse[160];	/* what went wrong using it, "" if nothing */
 };
 
 #define VERDICT_CACHE 4096
@@ -379,6 +436,23 @@ static struct image_verdict *judge_image(const char *path)
 	v->state = find_state(key);
 	free(key);
 	tool_runs++;
+
+	v->reuse[0] = '\0';
+	if (!v->thin_check && v->state >= 0) {
+		struct reuse_res res;
+		char how[128];
+
+		if (run_child(reuse_case, NULL, &res, sizeof(res), CASE_TIMEOUT,
+			      log_path, how, sizeof(how)))
+			snprintf(v->reuse, sizeof(v->reuse), "the case %s", how);
+		else if (res.leaked)
+			snprintf(v->reuse, sizeof(v->reuse), "allocations leaked");
+		else if (res.r)
+			snprintf(v->reuse, sizeof(v->reuse), "it fails: %d", res.r);
+		else if (res.check_r)
+			snprintf(v->reuse, sizeof(v->reuse),
+				 "tsp_pool_check() fails after it: %d", res.check_r);
+	}
 	return v;
 }
 
@@ -605,6 +679,11 @@ static int run_crash_case(const struct txn *t, u64 k, int mode, u64 nr_events,
 	if (v->state < 0)
 		fail("%s: the image is none of the %d committed states", what,
 		     nr_states);
+	if (v->reuse[0]) {
+		fail("%s: a new transaction on the recovered pool: %s", what,
+		     v->reuse);
+		show_log_tail(log_path, 20);
+	}
 	return failures == f0 ? v->state : -1;
 }
 
@@ -748,6 +827,7 @@ int main(void)
 	}
 	scratch_path(base_path, sizeof(base_path), "base.img");
 	scratch_path(work_path, sizeof(work_path), "work.img");
+	scratch_path(reuse_path, sizeof(reuse_path), "reuse.img");
 	scratch_path(log_path, sizeof(log_path), "case.log");
 	scratch_path(tool_log, sizeof(tool_log), "tool.log");
 
