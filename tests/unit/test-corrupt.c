@@ -26,7 +26,8 @@
  *   - targeted structural damage, resealed, that must be refused:
  *     entry counts, key order, cycles, pointers beyond the device or to
  *     blocks of another kind, value sizes, space map counts, index
- *     entries, superblock roots and sizes, device details, and three
+ *     entries, superblock roots and sizes, device details, shared
+ *     nodes outside the key range of one of their parents, and three
  *     "DAG bombs" (every entry of every internal node pointing at the
  *     same child: linear in blocks, exponential in paths), which must be
  *     refused in bounded time;
@@ -926,6 +927,60 @@ static void test_node_damage(void)
 	       nr_cases - c0);
 }
 
+/*
+ * A node reached through several parents (shared by snapshots, or with
+ * the held copy) must fit the key range of each of them, not only of the
+ * first one a checker happens to come through: otherwise lookups through
+ * the other parents miss its keys.  For a few shared nodes, and each of
+ * their parents in turn, move the parent's key for it above its keys.
+ */
+static void test_shared_ranges(void)
+{
+	int f0 = failures;
+	unsigned long c0 = nr_cases;
+	struct damage *d = malloc(sizeof(*d));
+	unsigned int nr_children = 0;
+	char what[192];
+	u64 i, j, c, par;
+	u32 e, nr;
+	u8 *p;
+
+	for (i = 0; i < nr_in_use && nr_children < 4; i++) {
+		c = in_use[i];
+		if (map.b[c].kind != BK_NODE || map.b[c].tree != TK_BOTTOM ||
+		    map.b[c].refs < 2 || !map.b[c].depth)
+			continue;
+		nr_children++;
+		for (j = 0; j < nr_in_use; j++) {
+			par = in_use[j];
+			if (map.b[par].kind != BK_NODE || map.b[par].leaf ||
+			    map.b[par].tree != TK_BOTTOM)
+				continue;
+			p = pristine + par * MD_BLOCK;
+			nr = node_nr(p);
+			for (e = 0; e < nr; e++)
+				if (get_le64(p, node_value_off(p, e)) == c)
+					break;
+			if (e == nr)
+				continue;
+			damage_init(d);
+			p = damage_block(d, par);
+			put_le64(p, NODE_KEYS + 8 * e, e + 1 < nr ?
+				 node_key(p, e + 1) - 1 : node_key(p, e) + (1ull << 40));
+			reseal(p, SALT_NODE);
+			snprintf(what, sizeof(what),
+				 "node %llu (%u references): parent %llu's key for it "
+				 "above its keys", (unsigned long long)c,
+				 map.b[c].refs, (unsigned long long)par);
+			try_damage(what, d, MUST_REFUSE, false, CASE_TIMEOUT);
+		}
+	}
+	CHECK(nr_children);
+	free(d);
+	report(f0, "corrupt: shared nodes out of the key range of one of their "
+	       "parents, resealed (%lu cases)", nr_cases - c0);
+}
+
 /* Value damage in leaves: mappings, details, index entries. */
 static void test_value_damage(void)
 {
@@ -1618,7 +1673,7 @@ int main(void)
 	scratch_path(work_path, sizeof(work_path), "work.img");
 	scratch_path(log_path, sizeof(log_path), "case.log");
 	scratch_path(tool_log, sizeof(tool_log), "tool.log");
-	rng_state ^= s * 0x9e3779b97f4a7c15ull;
+	rng_seed(s);
 	printf("seed %llu (TSP_SEED)\n", (unsigned long long)s);
 
 	if (!setup()) {
@@ -1628,6 +1683,7 @@ int main(void)
 		test_every_block(false);
 		test_every_block(true);
 		test_node_damage();
+		test_shared_ranges();
 		test_value_damage();
 		test_bitmap_counts();
 		test_superblock();
