@@ -91,7 +91,8 @@ UNITSRC := $(wildcard tests/unit/*.c)
 
 UCFLAGS := -std=gnu11 -Wall -Wextra -Wno-unused-parameter -Werror -g -I. \
 	   -D_GNU_SOURCE -MMD -MP
-URCU_LIBS :=
+# RCU readers in userspace: liburcu's membarrier flavour (compat.h).
+URCU_LIBS := -lurcu-memb
 ULIBS = -lpthread -lexpat $(URCU_LIBS)
 
 opt_CFLAGS := -O2

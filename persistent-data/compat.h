@@ -18,8 +18,41 @@
  *   crc32c          -> user/crc32c.c, a table driven implementation with
  *                      the kernel's semantics (no final inversion)
  *   DMERR & co      -> stderr
+ *   READ_ONCE & co  -> C11 relaxed atomics (so ThreadSanitizer sees every
+ *                      marked access); rcu_dereference() and
+ *                      rcu_assign_pointer() are acquire loads and release
+ *                      stores
+ *   RCU readers     -> liburcu, membarrier flavour (-lurcu-memb): every
+ *                      thread that calls rcu_read_lock() must first call
+ *                      tsp_user_rcu_register_thread() (asserted), and
+ *                      tsp_user_rcu_unregister_thread() before it exits
+ *   call_rcu, kfree_rcu -> a process-wide queue of callbacks, run by
+ *                      tsp_user_rcu_flush() after synchronize_rcu(): by
+ *                      whoever queues the TSP_USER_RCU_BATCH'th callback
+ *                      (outside a read-side critical section), and by
+ *                      rcu_barrier().  No helper thread, so a fork()ed
+ *                      child (the crash tests) works like its parent.
+ *   hlist, list     -> the subset of <linux/list.h> and <linux/rculist.h>
+ *                      used, with the kernel's semantics
+ *   per-CPU data    -> TSP_USER_NR_CPUS copies; a thread uses the copy
+ *                      numbered by the order in which it first asked (mod
+ *                      TSP_USER_NR_CPUS), so counters are exact up to that
+ *                      many threads
  *
- * Locking: none of its own.
+ * ThreadSanitizer cannot see the ordering liburcu's grace periods give
+ * (liburcu is not instrumented and relies on membarrier()), so under TSan
+ * rcu_read_unlock() releases, and synchronize_rcu() acquires, one
+ * synchronisation object (tsp_user_rcu.tsan_sync): exactly the
+ * happens-before edge a grace period guarantees, from every read-side
+ * critical section that ended before it to the code after it.  No TSan
+ * suppression is needed.
+ *
+ * The RCU state (tsp_user_rcu, tsp_user_rcu_registered) is defined here
+ * with weak linkage, one copy per program, so that the shims need no .c
+ * file of their own.
+ *
+ * Locking: none of its own, except tsp_user_rcu.lock around the callback
+ * queue.
  */
 #ifndef TSP_COMPAT_H
 #define TSP_COMPAT_H
@@ -45,6 +78,13 @@
 #include <linux/bitops.h>
 #include <linux/vmalloc.h>
 #include <linux/sched.h>
+#include <linux/cache.h>
+#include <linux/log2.h>
+#include <linux/cpumask.h>
+#include <linux/percpu.h>
+#include <linux/list.h>
+#include <linux/rcupdate.h>
+#include <linux/rculist.h>
 
 #else /* userspace */
 
@@ -140,6 +180,7 @@ void tsp_user_warn(const char *file, int line, const char *cond);
 #define GFP_NOIO 0u
 #define GFP_NOWAIT 1u
 #define __GFP_ZERO 2u
+#define __GFP_NOWARN 0u
 void *tsp_user_alloc(size_t size, gfp_t gfp);
 void tsp_user_free(const void *p);
 /* Number of live allocations; tests check it returns to its start value. */
@@ -196,6 +237,329 @@ bool tsp_user_rwsem_held(struct rw_semaphore *s);
 	struct rw_semaphore *: tsp_user_rwsem_held((struct rw_semaphore *)(void *)(x))))
 #define lockdep_assert_held_write(x) assert((x)->write_held && \
 	pthread_equal((x)->writer, pthread_self()))
+
+/* Marked accesses, and the annotations sparse reads in the kernel. */
+#define READ_ONCE(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
+#define WRITE_ONCE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
+#define __rcu
+#define __percpu
+#define ____cacheline_aligned_in_smp
+#define ilog2(n) (63 - __builtin_clzll((u64)(n)))
+#define is_power_of_2(n) ((n) != 0 && (((n) & ((n) - 1)) == 0))
+static inline unsigned long roundup_pow_of_two(unsigned long n)
+{
+	return n <= 1 ? 1 : 1UL << (64 - __builtin_clzl(n - 1));
+}
+
+/* Lists: struct list_head and struct hlist_*, the kernel's semantics. */
+struct list_head {
+	struct list_head *next, *prev;
+};
+
+static inline void INIT_LIST_HEAD(struct list_head *l)
+{
+	l->next = l;
+	l->prev = l;
+}
+
+static inline bool list_empty(const struct list_head *l)
+{
+	return l->next == l;
+}
+
+static inline void tsp_user_list_insert(struct list_head *n,
+					struct list_head *prev,
+					struct list_head *next)
+{
+	n->next = next;
+	n->prev = prev;
+	prev->next = n;
+	next->prev = n;
+}
+
+static inline void list_add(struct list_head *n, struct list_head *head)
+{
+	tsp_user_list_insert(n, head, head->next);
+}
+
+static inline void list_add_tail(struct list_head *n, struct list_head *head)
+{
+	tsp_user_list_insert(n, head->prev, head);
+}
+
+static inline void list_del(struct list_head *n)
+{
+	n->prev->next = n->next;
+	n->next->prev = n->prev;
+	n->next = NULL;
+	n->prev = NULL;
+}
+
+static inline void list_move_tail(struct list_head *n, struct list_head *head)
+{
+	n->prev->next = n->next;
+	n->next->prev = n->prev;
+	list_add_tail(n, head);
+}
+
+static inline void list_replace(struct list_head *old, struct list_head *n)
+{
+	tsp_user_list_insert(n, old->prev, old->next);
+}
+
+#define list_entry(ptr, type, member) container_of(ptr, type, member)
+#define list_first_entry(head, type, member) \
+	list_entry((head)->next, type, member)
+#define list_next_entry(pos, member) \
+	list_entry((pos)->member.next, typeof(*(pos)), member)
+#define list_for_each_entry_safe(pos, tmp, head, member)			\
+	for (pos = list_first_entry(head, typeof(*(pos)), member),		\
+	     tmp = list_next_entry(pos, member);				\
+	     &(pos)->member != (head);						\
+	     pos = tmp, tmp = list_next_entry(tmp, member))
+
+struct hlist_node {
+	struct hlist_node *next, **pprev;
+};
+
+struct hlist_head {
+	struct hlist_node *first;
+};
+
+/* RCU: readers on liburcu, deferred callbacks on our own queue. */
+#define rcu_head tsp_urcu_rcu_head	/* liburcu's own, out of our way */
+#include <urcu/urcu-memb.h>
+#undef rcu_head
+#undef rcu_read_lock
+#undef rcu_read_unlock
+#undef synchronize_rcu
+#undef call_rcu
+#undef rcu_barrier
+#undef rcu_dereference
+#undef rcu_assign_pointer
+
+#ifdef __SANITIZE_THREAD__
+#include <sanitizer/tsan_interface.h>
+#define tsp_user_tsan_acquire(addr) __tsan_acquire(addr)
+#define tsp_user_tsan_release(addr) __tsan_release(addr)
+#else
+#define tsp_user_tsan_acquire(addr) do { } while (0)
+#define tsp_user_tsan_release(addr) do { } while (0)
+#endif
+
+/* Callbacks queued before one flush; few enough to keep memory bounded. */
+#define TSP_USER_RCU_BATCH 256
+
+struct rcu_head {
+	struct rcu_head *next;
+	void (*func)(struct rcu_head *head);
+};
+typedef void (*rcu_callback_t)(struct rcu_head *head);
+
+struct tsp_user_rcu_state {
+	pthread_mutex_t lock;		/* protects the two fields below */
+	struct rcu_head *pending;	/* queued callbacks, newest first */
+	unsigned long nr_pending;
+	char tsan_sync;			/* only its address is used */
+};
+
+extern struct tsp_user_rcu_state tsp_user_rcu;
+struct tsp_user_rcu_state tsp_user_rcu __attribute__((weak)) = {
+	.lock = PTHREAD_MUTEX_INITIALIZER,
+};
+extern __thread bool tsp_user_rcu_registered;
+__thread bool tsp_user_rcu_registered __attribute__((weak));
+
+static inline void tsp_user_rcu_register_thread(void)
+{
+	urcu_memb_register_thread();
+	tsp_user_rcu_registered = true;
+}
+
+static inline void tsp_user_rcu_unregister_thread(void)
+{
+	tsp_user_rcu_registered = false;
+	urcu_memb_unregister_thread();
+}
+
+static inline void rcu_read_lock(void)
+{
+	BUG_ON(!tsp_user_rcu_registered);
+	urcu_memb_read_lock();
+}
+
+static inline void rcu_read_unlock(void)
+{
+	tsp_user_tsan_release(&tsp_user_rcu.tsan_sync);
+	urcu_memb_read_unlock();
+}
+
+static inline void synchronize_rcu(void)
+{
+	urcu_memb_synchronize_rcu();
+	tsp_user_tsan_acquire(&tsp_user_rcu.tsan_sync);
+}
+
+#define rcu_dereference(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
+#define rcu_dereference_protected(p, c) (p)
+#define rcu_assign_pointer(p, v) __atomic_store_n(&(p), (v), __ATOMIC_RELEASE)
+#define RCU_INIT_POINTER(p, v) WRITE_ONCE(p, v)
+
+/*
+ * Run every queued callback after a grace period.  Not from inside a
+ * read-side critical section (the grace period would wait for itself).
+ * A callback "function" below 4096 is kfree_rcu()'s offset of the
+ * rcu_head in the object to free, as in the kernel.
+ */
+static inline void tsp_user_rcu_flush(void)
+{
+	struct rcu_head *head, *next;
+
+	pthread_mutex_lock(&tsp_user_rcu.lock);
+	head = tsp_user_rcu.pending;
+	tsp_user_rcu.pending = NULL;
+	tsp_user_rcu.nr_pending = 0;
+	pthread_mutex_unlock(&tsp_user_rcu.lock);
+	if (!head)
+		return;
+	synchronize_rcu();
+	for (; head; head = next) {
+		unsigned long offset = (unsigned long)head->func;
+
+		next = head->next;
+		if (offset < 4096)
+			kfree((char *)head - offset);
+		else
+			head->func(head);
+	}
+}
+
+static inline void call_rcu(struct rcu_head *head, rcu_callback_t func)
+{
+	unsigned long nr;
+
+	head->func = func;
+	pthread_mutex_lock(&tsp_user_rcu.lock);
+	head->next = tsp_user_rcu.pending;
+	tsp_user_rcu.pending = head;
+	nr = ++tsp_user_rcu.nr_pending;
+	pthread_mutex_unlock(&tsp_user_rcu.lock);
+	if (nr >= TSP_USER_RCU_BATCH && !urcu_memb_read_ongoing())
+		tsp_user_rcu_flush();
+}
+
+#define kfree_rcu(ptr, field)						\
+	call_rcu(&(ptr)->field,						\
+		 (rcu_callback_t)(unsigned long)offsetof(typeof(*(ptr)), field))
+
+/* Unlike the kernel's, this runs the callbacks itself. */
+static inline void rcu_barrier(void)
+{
+	tsp_user_rcu_flush();
+}
+
+#define hlist_entry(ptr, type, member) container_of(ptr, type, member)
+#define hlist_first_rcu(head) ((head)->first)
+#define hlist_next_rcu(node) ((node)->next)
+#define hlist_entry_safe(ptr, type, member)				\
+	({ typeof(ptr) __ptr = (ptr);					\
+	   __ptr ? hlist_entry(__ptr, type, member) : NULL; })
+
+/* Writers: under the lock that serialises changes to the list. */
+static inline void hlist_add_head_rcu(struct hlist_node *n,
+				      struct hlist_head *h)
+{
+	struct hlist_node *first = h->first;
+
+	n->next = first;
+	n->pprev = &h->first;
+	rcu_assign_pointer(h->first, n);
+	if (first)
+		first->pprev = &n->next;
+}
+
+/*
+ * @n->next stays, for readers standing on @n.  The kernel's plain
+ * WRITE_ONCE() relies on address dependencies to order a reader's loads
+ * of @next's fields; C11 (and so TSan) needs the store to be a release
+ * for the acquire in rcu_dereference() to pair with.
+ */
+static inline void hlist_del_rcu(struct hlist_node *n)
+{
+	struct hlist_node *next = n->next;
+
+	rcu_assign_pointer(*n->pprev, next);
+	if (next)
+		next->pprev = n->pprev;
+	n->pprev = NULL;
+}
+
+static inline void hlist_replace_rcu(struct hlist_node *old,
+				     struct hlist_node *n)
+{
+	struct hlist_node *next = old->next;
+
+	n->next = next;
+	n->pprev = old->pprev;
+	rcu_assign_pointer(*n->pprev, n);
+	if (next)
+		next->pprev = &n->next;
+	old->pprev = NULL;
+}
+
+#define hlist_for_each_entry(pos, head, member)				\
+	for (pos = hlist_entry_safe((head)->first, typeof(*(pos)), member); \
+	     pos;							\
+	     pos = hlist_entry_safe((pos)->member.next, typeof(*(pos)), member))
+
+/* Readers: inside rcu_read_lock(). */
+#define hlist_for_each_entry_rcu(pos, head, member)			\
+	for (pos = hlist_entry_safe(rcu_dereference((head)->first),	\
+				    typeof(*(pos)), member);		\
+	     pos;							\
+	     pos = hlist_entry_safe(rcu_dereference((pos)->member.next), \
+				    typeof(*(pos)), member))
+
+/*
+ * Per-CPU data: TSP_USER_NR_CPUS copies TSP_USER_PERCPU_UNIT bytes apart
+ * (so two threads' counters never share a cache line).  this_cpu_*() is
+ * not atomic, as in the kernel: two threads share a copy only beyond
+ * TSP_USER_NR_CPUS threads, and then an increment may be lost.
+ */
+#define TSP_USER_NR_CPUS 64
+#define TSP_USER_PERCPU_UNIT 128
+
+static inline unsigned int tsp_user_this_cpu(void)
+{
+	static __thread int cpu = -1;
+	static unsigned int next;
+
+	if (unlikely(cpu < 0))
+		cpu = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED) %
+		      TSP_USER_NR_CPUS;
+	return cpu;
+}
+
+static inline void *tsp_user_alloc_percpu(size_t size)
+{
+	BUG_ON(size > TSP_USER_PERCPU_UNIT);
+	return kzalloc(TSP_USER_PERCPU_UNIT * TSP_USER_NR_CPUS, GFP_KERNEL);
+}
+
+#define num_possible_cpus() TSP_USER_NR_CPUS
+#define for_each_possible_cpu(cpu) \
+	for ((cpu) = 0; (cpu) < TSP_USER_NR_CPUS; (cpu)++)
+#define alloc_percpu(type) ((type *)tsp_user_alloc_percpu(sizeof(type)))
+#define free_percpu(p) kfree(p)
+#define per_cpu_ptr(p, cpu) \
+	((typeof(p))((char *)(p) + (size_t)(cpu) * TSP_USER_PERCPU_UNIT))
+#define this_cpu_ptr(p) per_cpu_ptr(p, tsp_user_this_cpu())
+#define this_cpu_add(pcp, n)						\
+	do {								\
+		typeof(&(pcp)) __pcp = this_cpu_ptr(&(pcp));		\
+		WRITE_ONCE(*__pcp, READ_ONCE(*__pcp) + (n));		\
+	} while (0)
+#define this_cpu_inc(pcp) this_cpu_add(pcp, 1)
 
 /* crc32c with the kernel's semantics: seed in, no final inversion. */
 u32 crc32c(u32 seed, const void *data, unsigned int len);
