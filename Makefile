@@ -85,7 +85,7 @@ kmod-%: FORCE
 # built with.
 UCC ?= gcc
 
-LIBSRC := $(wildcard dm-thin-metadata.c persistent-data/*.c user/*.c)
+LIBSRC := $(wildcard dm-thin-metadata.c mapping-cache.c persistent-data/*.c user/*.c)
 TOOLSRC := $(wildcard tools/*.c)
 UNITSRC := $(wildcard tests/unit/*.c)
 

@@ -1,0 +1,686 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * test-mapping-cache.c - mapping-cache.[ch] on its own.
+ *
+ * Groups:
+ *
+ *   basic        each function once, by hand: hits, replacement, every
+ *                kind of invalidation, counters, a zero budget, and
+ *                allocation failure (an update that cannot allocate must
+ *                drop the old entry, not keep it)
+ *   model        random operations against a reference map, with budgets
+ *                from "everything fits" (then a lookup of a cached key
+ *                must hit) down to a few dozen entries (constant CLOCK
+ *                eviction: a miss is allowed, a wrong answer never), and
+ *                with every GFP_NOWAIT allocation failing
+ *   concurrency  reader threads hammer lookups while two writers insert,
+ *                replace and invalidate (one, two, a range, a device,
+ *                everything).  A cached value encodes its key and a
+ *                per-key generation; a reader checks that a hit is for
+ *                its key, was published by a writer, is not older than
+ *                what an invalidation or replacement that returned before
+ *                the lookup started left, and never goes backwards
+ *
+ * Every group checks that it leaves no allocation behind (after
+ * rcu_barrier(), which in userspace runs the queued kfree_rcu()s).  The
+ * same source runs under ASan/UBSan (make unit) and ThreadSanitizer (make
+ * tsan); see persistent-data/compat.h for how TSan is told about grace
+ * periods.
+ *
+ * Usage: test-mapping-cache [seed]; the seed (also $TSP_SEED) is printed
+ * first.  TSP_TEST_QUICK=1 runs shorter.  Exit status 0 pass, 1 fail.
+ *
+ * Locking: the concurrency groups start threads (each registers with
+ * RCU); everything else runs on the main thread.
+ */
+#define DM_MSG_PREFIX "mapping-cache-test"
+#include "dm-thin-metadata.h"	/* TSP_THIN_MAX_DEV_ID */
+#include "mapping-cache.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------ */
+/* Failure reporting and randomness                                    */
+/* ------------------------------------------------------------------ */
+
+static u64 seed;
+static const char *phase = "setup";
+static bool quick;
+
+static void __attribute__((noreturn, format(printf, 3, 4)))
+fail(const char *file, int line, const char *fmt, ...)
+{
+	va_list ap;
+
+	fflush(stdout);
+	fprintf(stderr, "FAIL %s:%d (phase %s, seed %" PRIu64 "): ", file, line,
+		phase, seed);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+	exit(1);
+}
+
+#define CHECK(c)							\
+	do {								\
+		if (!(c))						\
+			fail(__FILE__, __LINE__, "%s", #c);		\
+	} while (0)
+
+#define CHECK_R(expr, want)						\
+	do {								\
+		long long __r = (expr), __w = (want);			\
+		if (__r != __w)						\
+			fail(__FILE__, __LINE__, "%s = %lld, expected %lld", \
+			     #expr, __r, __w);				\
+	} while (0)
+
+/* splitmix64, one state per thread. */
+static u64 rnd_next(u64 *state)
+{
+	u64 z = (*state += 0x9e3779b97f4a7c15ULL);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+	return z ^ (z >> 31);
+}
+
+static u64 rng;
+
+static u64 rnd_below(u64 n)
+{
+	return n ? rnd_next(&rng) % n : 0;
+}
+
+static long allocs_base;
+
+/* Nothing left: run the queued frees first. */
+static void check_no_leaks(void)
+{
+	rcu_barrier();
+	CHECK_R(tsp_user_live_allocs(), allocs_base);
+}
+
+/* ------------------------------------------------------------------ */
+/* basic                                                               */
+/* ------------------------------------------------------------------ */
+
+static bool lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
+		   u64 *block, u32 *time)
+{
+	struct tsp_mc_mapping m = { ~0ULL, ~0U };
+	bool hit = tsp_mc_lookup(mc, dev, virt, &m);
+
+	if (hit) {
+		*block = m.block;
+		*time = m.time;
+	}
+	return hit;
+}
+
+static void expect_hit(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
+		       u64 block, u32 time, int line)
+{
+	u64 b;
+	u32 t;
+
+	if (!lookup(mc, dev, virt, &b, &t))
+		fail(__FILE__, line, "(%llu, %llu) missed", (unsigned long long)dev,
+		     (unsigned long long)virt);
+	if (b != block || t != time)
+		fail(__FILE__, line, "(%llu, %llu) = (%llu, %u), expected (%llu, %u)",
+		     (unsigned long long)dev, (unsigned long long)virt,
+		     (unsigned long long)b, t, (unsigned long long)block, time);
+}
+
+static void expect_miss(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
+			int line)
+{
+	u64 b;
+	u32 t;
+
+	if (lookup(mc, dev, virt, &b, &t))
+		fail(__FILE__, line, "(%llu, %llu) hit, expected a miss",
+		     (unsigned long long)dev, (unsigned long long)virt);
+}
+
+#define HIT(mc, d, v, b, t) expect_hit(mc, d, v, b, t, __LINE__)
+#define MISS(mc, d, v) expect_miss(mc, d, v, __LINE__)
+
+static void test_basic(void)
+{
+	struct tsp_mapping_cache *mc;
+	struct tsp_mc_stats st;
+	u64 v;
+
+	phase = "basic";
+	CHECK_R(tsp_mc_create(1 << 20, &mc), 0);
+	tsp_mc_get_stats(mc, &st);
+	CHECK(st.entries == 0 && st.hits == 0 && st.misses == 0);
+	/* 1 MiB: 64 shards of 227 entries (64-byte entries, 8-byte heads). */
+	CHECK(st.max_entries > 10000 && st.max_entries <= (1 << 20) / 72);
+
+	MISS(mc, 1, 10);
+	CHECK(tsp_mc_insert(mc, 1, 10, 1000, 7));
+	HIT(mc, 1, 10, 1000, 7);
+	MISS(mc, 2, 10);	/* another device */
+	MISS(mc, 1, 11);
+	/* Same value again: kept; new value: replaced. */
+	CHECK(tsp_mc_insert(mc, 1, 10, 1000, 7));
+	CHECK(tsp_mc_insert(mc, 1, 10, 2000, 8));
+	HIT(mc, 1, 10, 2000, 8);
+	CHECK(tsp_mc_insert(mc, 1, 10, 2000, 9));
+	HIT(mc, 1, 10, 2000, 9);
+	tsp_mc_get_stats(mc, &st);
+	CHECK_R(st.entries, 1);
+	CHECK_R(st.hits, 3);
+	CHECK_R(st.misses, 3);
+
+	/* Large and extreme keys. */
+	CHECK(tsp_mc_insert(mc, TSP_THIN_MAX_DEV_ID, U64_MAX, 1ULL << 39, 0xffffff));
+	HIT(mc, TSP_THIN_MAX_DEV_ID, U64_MAX, 1ULL << 39, 0xffffff);
+	CHECK(tsp_mc_insert(mc, 0, 0, 0, 0));
+	HIT(mc, 0, 0, 0, 0);
+
+	tsp_mc_invalidate(mc, 1, 10);
+	MISS(mc, 1, 10);
+	tsp_mc_invalidate(mc, 1, 10);	/* absent: nothing happens */
+	HIT(mc, 0, 0, 0, 0);
+
+	/* Ranges: short (key by key) and long (a walk), both ends exact. */
+	for (v = 0; v < 100; v++) {
+		CHECK(tsp_mc_insert(mc, 3, v, v + 5, 1));
+		CHECK(tsp_mc_insert(mc, 4, v, v + 6, 2));
+	}
+	tsp_mc_invalidate_range(mc, 3, 10, 20);
+	tsp_mc_invalidate_range(mc, 3, 30, 30);		/* empty */
+	tsp_mc_invalidate_range(mc, 3, 50, 1ULL << 40);	/* by walk */
+	for (v = 0; v < 100; v++) {
+		if ((v >= 10 && v < 20) || v >= 50)
+			MISS(mc, 3, v);
+		else
+			HIT(mc, 3, v, v + 5, 1);
+		HIT(mc, 4, v, v + 6, 2);
+	}
+	tsp_mc_invalidate_dev(mc, 4);
+	for (v = 0; v < 100; v++)
+		MISS(mc, 4, v);
+	HIT(mc, 3, 0, 5, 1);
+	tsp_mc_get_stats(mc, &st);
+	CHECK_R(st.entries, 40 + 2);
+
+	tsp_mc_clear(mc);
+	tsp_mc_get_stats(mc, &st);
+	CHECK_R(st.entries, 0);
+	CHECK(st.hits > 0 && st.evictions == 0);
+	MISS(mc, 3, 0);
+	MISS(mc, 0, 0);
+
+	/* An update that cannot allocate drops the old value. */
+	CHECK(tsp_mc_insert(mc, 5, 5, 50, 1));
+	setenv("TSP_FAIL_NOWAIT", "1", 1);
+	CHECK(!tsp_mc_insert(mc, 5, 5, 51, 2));
+	CHECK(!tsp_mc_insert(mc, 5, 6, 60, 2));
+	unsetenv("TSP_FAIL_NOWAIT");
+	MISS(mc, 5, 5);
+	MISS(mc, 5, 6);
+	/* The same with the allocation failing by injection. */
+	CHECK(tsp_mc_insert(mc, 5, 5, 50, 1));
+	tsp_user_fail_alloc_after(0);
+	CHECK(!tsp_mc_insert(mc, 5, 5, 52, 3));
+	tsp_user_fail_alloc_after(-1);
+	MISS(mc, 5, 5);
+	tsp_mc_destroy(mc);
+	check_no_leaks();
+
+	/* Tables grow fourfold at two entries a bucket; nothing is lost. */
+	CHECK_R(tsp_mc_create(8 << 20, &mc), 0);
+	tsp_mc_get_stats(mc, &st);
+	CHECK_R(st.buckets, 64 << 4);
+	for (v = 0; v < 50000; v++)
+		CHECK(tsp_mc_insert(mc, v % 3, v, v * 7, v & 0xffffff));
+	tsp_mc_get_stats(mc, &st);
+	CHECK_R(st.entries, 50000);
+	CHECK_R(st.buckets, 64 << 10);	/* ilog2(8 MiB / 72 / 64) */
+	for (v = 0; v < 50000; v++) {
+		HIT(mc, v % 3, v, v * 7, v & 0xffffff);
+		if (v % 2)
+			tsp_mc_invalidate(mc, v % 3, v);
+	}
+	for (v = 0; v < 50000; v++) {
+		if (v % 2)
+			MISS(mc, v % 3, v);
+		else
+			HIT(mc, v % 3, v, v * 7, v & 0xffffff);
+	}
+	tsp_mc_destroy(mc);
+	check_no_leaks();
+
+	/* A budget too small for an entry: nothing is ever cached. */
+	CHECK_R(tsp_mc_create(0, &mc), 0);
+	CHECK(!tsp_mc_insert(mc, 1, 1, 1, 1));
+	MISS(mc, 1, 1);
+	tsp_mc_invalidate(mc, 1, 1);
+	tsp_mc_invalidate_range(mc, 1, 0, 1000);
+	tsp_mc_clear(mc);
+	tsp_mc_get_stats(mc, &st);
+	CHECK(st.max_entries == 0 && st.entries == 0 && st.misses == 1);
+	tsp_mc_destroy(mc);
+
+	/* Creation failing at each allocation in turn. */
+	for (v = 0;; v++) {
+		int r;
+
+		tsp_user_fail_alloc_after(v);
+		r = tsp_mc_create(1 << 16, &mc);
+		tsp_user_fail_alloc_after(-1);
+		if (!r)
+			break;
+		CHECK_R(r, -ENOMEM);
+		CHECK_R(tsp_user_live_allocs(), allocs_base);
+	}
+	/* The cache, shards, table pointers, per-CPU counters, tables. */
+	CHECK(v > 4);
+	tsp_mc_destroy(mc);
+	check_no_leaks();
+	printf("ok   %s\n", phase);
+}
+
+/* ------------------------------------------------------------------ */
+/* model                                                               */
+/* ------------------------------------------------------------------ */
+
+#define M_DEVS 4
+#define M_VIRTS 1500		/* per device, some of them far apart */
+#define M_NONE (~0ULL)
+
+struct model {
+	u64 block[M_DEVS][M_VIRTS];	/* M_NONE: not cached */
+	u32 time[M_DEVS][M_VIRTS];
+	u64 nr;
+};
+
+/* Virtual block number of slot @i: dense, then beyond 2^40. */
+static u64 virt_of(u32 i)
+{
+	return i < M_VIRTS - 100 ? i : (1ULL << 40) + (u64)(i - (M_VIRTS - 100)) * 977;
+}
+
+static void model_set(struct model *m, u32 d, u32 i, u64 block, u32 time)
+{
+	if (m->block[d][i] == M_NONE && block != M_NONE)
+		m->nr++;
+	else if (m->block[d][i] != M_NONE && block == M_NONE)
+		m->nr--;
+	m->block[d][i] = block;
+	m->time[d][i] = time;
+}
+
+/*
+ * @complete: every insert must stick (no eviction, no failed
+ * allocation), so a cached key must hit.
+ */
+static void model_check_all(struct tsp_mapping_cache *mc, struct model *m,
+			    bool complete)
+{
+	struct tsp_mc_stats st;
+	u64 b;
+	u32 d, i, t;
+
+	for (d = 0; d < M_DEVS; d++) {
+		for (i = 0; i < M_VIRTS; i++) {
+			if (!lookup(mc, d, virt_of(i), &b, &t)) {
+				if (complete && m->block[d][i] != M_NONE)
+					fail(__FILE__, __LINE__, "dev %u slot %u: lost", d, i);
+				continue;
+			}
+			if (m->block[d][i] != b || m->time[d][i] != t)
+				fail(__FILE__, __LINE__,
+				     "dev %u slot %u: cached (%llu, %u), model (%llu, %u)",
+				     d, i, (unsigned long long)b, t,
+				     (unsigned long long)m->block[d][i], m->time[d][i]);
+		}
+	}
+	tsp_mc_get_stats(mc, &st);
+	CHECK(st.entries <= st.max_entries);
+	CHECK(st.entries <= m->nr);
+	if (complete)
+		CHECK_R(st.entries, m->nr);
+}
+
+static void model_run(u64 budget, bool fail_nowait, unsigned int nr_ops)
+{
+	struct model *m = malloc(sizeof(*m));
+	struct tsp_mapping_cache *mc;
+	struct tsp_mc_stats st;
+	bool complete = !fail_nowait && budget >= (4u << 20);
+	u64 next_block = 1, hits = 0, lookups = 0, b, begin, end;
+	unsigned int op;
+	u32 d, i, j, t;
+
+	CHECK(m);
+	memset(m->block, 0xff, sizeof(m->block));
+	m->nr = 0;
+	CHECK_R(tsp_mc_create(budget, &mc), 0);
+	if (fail_nowait)
+		setenv("TSP_FAIL_NOWAIT", "1", 1);
+
+	for (op = 0; op < nr_ops; op++) {
+		unsigned int what = rnd_below(10000);
+
+		/* Half the operations on a hot fifth of the keys. */
+		d = rnd_below(M_DEVS);
+		i = rnd_below(rnd_below(2) ? M_VIRTS / 5 : M_VIRTS);
+		if (what < 5000) {
+			/* Insert or replace; a third of them with the same value. */
+			if (m->block[d][i] != M_NONE && rnd_below(3) == 0) {
+				b = m->block[d][i];
+				t = m->time[d][i];
+			} else {
+				b = next_block++;
+				t = rnd_below(1 << 24);
+			}
+			if (tsp_mc_insert(mc, d, virt_of(i), b, t))
+				model_set(m, d, i, b, t);
+			else
+				model_set(m, d, i, M_NONE, 0);
+		} else if (what < 9000) {
+			lookups++;
+			if (lookup(mc, d, virt_of(i), &b, &t)) {
+				hits++;
+				if (m->block[d][i] != b || m->time[d][i] != t)
+					fail(__FILE__, __LINE__,
+					     "op %u: dev %u slot %u: cached (%llu, %u), model (%llu, %u)",
+					     op, d, i, (unsigned long long)b, t,
+					     (unsigned long long)m->block[d][i],
+					     m->time[d][i]);
+			} else if (complete && m->block[d][i] != M_NONE) {
+				fail(__FILE__, __LINE__, "op %u: dev %u slot %u lost",
+				     op, d, i);
+			}
+		} else if (what < 9600) {
+			tsp_mc_invalidate(mc, d, virt_of(i));
+			model_set(m, d, i, M_NONE, 0);
+		} else if (what < 9980) {
+			/* Short or long ranges, in slot space. */
+			j = i + (rnd_below(16) ? rnd_below(20) : rnd_below(M_VIRTS));
+			if (j > M_VIRTS)
+				j = M_VIRTS;
+			begin = virt_of(i);
+			end = j == M_VIRTS ? U64_MAX : virt_of(j);
+			tsp_mc_invalidate_range(mc, d, begin, end);
+			for (; i < j; i++)
+				model_set(m, d, i, M_NONE, 0);
+		} else if (what < 9995) {
+			tsp_mc_invalidate_dev(mc, d);
+			for (i = 0; i < M_VIRTS; i++)
+				model_set(m, d, i, M_NONE, 0);
+		} else {
+			tsp_mc_clear(mc);
+			for (d = 0; d < M_DEVS; d++)
+				for (i = 0; i < M_VIRTS; i++)
+					model_set(m, d, i, M_NONE, 0);
+		}
+		/* What the model dropped is also gone from the cache. */
+		if (op % 5000 == 4999)
+			model_check_all(mc, m, complete);
+	}
+	model_check_all(mc, m, complete);
+	unsetenv("TSP_FAIL_NOWAIT");
+
+	tsp_mc_get_stats(mc, &st);
+	if (complete)
+		CHECK(st.evictions == 0);
+	if (fail_nowait)
+		CHECK(st.entries == 0 && hits == 0);
+	else if (!complete)
+		CHECK(st.evictions > 0 && hits > 0);
+	printf("     budget %7llu%s: %llu entries max, %llu buckets, %llu lookups, %llu hits, %llu evictions\n",
+	       (unsigned long long)budget, fail_nowait ? " (no memory)" : "",
+	       (unsigned long long)st.max_entries, (unsigned long long)st.buckets,
+	       (unsigned long long)lookups, (unsigned long long)hits,
+	       (unsigned long long)st.evictions);
+	tsp_mc_destroy(mc);
+	free(m);
+	check_no_leaks();
+}
+
+static void test_model(void)
+{
+	unsigned int nr_ops = quick ? 40000 : 200000;
+
+	phase = "model";
+	model_run(8u << 20, false, nr_ops);	/* everything fits */
+	model_run(32u << 10, false, nr_ops);	/* some eviction */
+	model_run(4u << 10, false, nr_ops);	/* a few dozen entries */
+	model_run(800, false, nr_ops);		/* one shard of 11 */
+	model_run(1u << 20, true, nr_ops / 4);	/* no memory at all */
+	printf("ok   %s\n", phase);
+}
+
+/* ------------------------------------------------------------------ */
+/* concurrency                                                         */
+/* ------------------------------------------------------------------ */
+
+#define C_DEVS 2
+#define C_VIRTS 2048
+#define C_KEYS (C_DEVS * C_VIRTS)
+#define C_READERS 3
+#define C_WRITERS 2
+
+/*
+ * Key k is (dev k / C_VIRTS, virt k % C_VIRTS); writer w owns the keys
+ * with k % C_WRITERS == w (except for clear, range and device
+ * invalidations, which writer 0 does under c_big_lock, while writer 1
+ * waits).  Generation g of key k is the value (block k << 32 | g,
+ * time gen_time(g)).
+ */
+struct c_key {
+	u64 published;	/* highest generation handed to tsp_mc_insert() */
+	u64 floor;	/* generations below are gone for new lookups */
+} ____cacheline_aligned_in_smp;
+
+static struct c_key c_keys[C_KEYS];
+static struct tsp_mapping_cache *c_mc;
+static bool c_stop;
+static pthread_rwlock_t c_big_lock = PTHREAD_RWLOCK_INITIALIZER;
+static u64 c_reader_lookups[C_READERS], c_reader_hits[C_READERS];
+static u64 c_writer_ops[C_WRITERS];
+
+static u32 gen_time(u64 g)
+{
+	return (u32)(g * 2654435761u) & 0xffffff;
+}
+
+static u64 c_dev(u32 k)
+{
+	return k / C_VIRTS + 1;
+}
+
+static u64 c_virt(u32 k)
+{
+	return (k % C_VIRTS) * 3;	/* gaps, for ranges */
+}
+
+static void *c_reader(void *arg)
+{
+	unsigned int id = (unsigned long)arg;
+	u64 state = seed ^ (0x1000 + id), seen[C_KEYS] = { 0 };
+	u64 lookups = 0, hits = 0;
+	struct tsp_mc_mapping m;
+
+	tsp_user_rcu_register_thread();
+	while (!__atomic_load_n(&c_stop, __ATOMIC_ACQUIRE)) {
+		u32 k = rnd_next(&state) % C_KEYS;
+		u64 floor = __atomic_load_n(&c_keys[k].floor, __ATOMIC_ACQUIRE);
+		u64 g, published;
+
+		lookups++;
+		if (!tsp_mc_lookup(c_mc, c_dev(k), c_virt(k), &m))
+			continue;
+		hits++;
+		published = __atomic_load_n(&c_keys[k].published, __ATOMIC_ACQUIRE);
+		g = m.block & 0xffffffff;
+		if (m.block >> 32 != k || m.time != gen_time(g) || g == 0)
+			fail(__FILE__, __LINE__,
+			     "reader %u: key %u returned (%#llx, %#x): not its value",
+			     id, k, (unsigned long long)m.block, m.time);
+		if (g > published)
+			fail(__FILE__, __LINE__,
+			     "reader %u: key %u generation %llu not published (%llu)",
+			     id, k, (unsigned long long)g,
+			     (unsigned long long)published);
+		if (g < floor)
+			fail(__FILE__, __LINE__,
+			     "reader %u: key %u generation %llu is stale (gone below %llu)",
+			     id, k, (unsigned long long)g, (unsigned long long)floor);
+		if (g < seen[k])
+			fail(__FILE__, __LINE__,
+			     "reader %u: key %u went back from %llu to %llu",
+			     id, k, (unsigned long long)seen[k],
+			     (unsigned long long)g);
+		seen[k] = g;
+	}
+	tsp_user_rcu_unregister_thread();
+	c_reader_lookups[id] = lookups;
+	c_reader_hits[id] = hits;
+	return NULL;
+}
+
+/* Key @k's generations so far are all gone. */
+static void c_kill(u32 k)
+{
+	__atomic_store_n(&c_keys[k].floor,
+			 __atomic_load_n(&c_keys[k].published, __ATOMIC_RELAXED) + 1,
+			 __ATOMIC_RELEASE);
+}
+
+static void *c_writer(void *arg)
+{
+	unsigned int id = (unsigned long)arg;
+	u64 state = seed ^ (0x2000 + id), ops = 0;
+	u32 k, d, a, b;
+
+	while (!__atomic_load_n(&c_stop, __ATOMIC_ACQUIRE)) {
+		unsigned int what = rnd_next(&state) % 1000;
+
+		k = (rnd_next(&state) % (C_KEYS / C_WRITERS)) * C_WRITERS + id;
+		ops++;
+		if (what < 700) {
+			u64 g = c_keys[k].published + 1;
+
+			pthread_rwlock_rdlock(&c_big_lock);
+			__atomic_store_n(&c_keys[k].published, g, __ATOMIC_RELEASE);
+			tsp_mc_insert(c_mc, c_dev(k), c_virt(k), (u64)k << 32 | g,
+				      gen_time(g));
+			/* Inserted or not, older generations are gone. */
+			__atomic_store_n(&c_keys[k].floor, g, __ATOMIC_RELEASE);
+			pthread_rwlock_unlock(&c_big_lock);
+		} else if (what < 950 || id) {
+			pthread_rwlock_rdlock(&c_big_lock);
+			tsp_mc_invalidate(c_mc, c_dev(k), c_virt(k));
+			c_kill(k);
+			pthread_rwlock_unlock(&c_big_lock);
+		} else {
+			/* Operations on many keys, both writers' keys. */
+			what = rnd_next(&state) % 1000;
+			pthread_rwlock_wrlock(&c_big_lock);
+			d = rnd_next(&state) % C_DEVS;
+			if (what < 980) {
+				a = rnd_next(&state) % C_VIRTS;
+				b = a + rnd_next(&state) % (what < 900 ? 8 : C_VIRTS);
+				if (b > C_VIRTS)
+					b = C_VIRTS;
+				tsp_mc_invalidate_range(c_mc, d + 1, c_virt(a),
+							c_virt(b - 1) + 1);
+				for (; a < b; a++)
+					c_kill(d * C_VIRTS + a);
+			} else if (what < 998) {
+				tsp_mc_invalidate_dev(c_mc, d + 1);
+				for (a = 0; a < C_VIRTS; a++)
+					c_kill(d * C_VIRTS + a);
+			} else {
+				tsp_mc_clear(c_mc);
+				for (k = 0; k < C_KEYS; k++)
+					c_kill(k);
+			}
+			pthread_rwlock_unlock(&c_big_lock);
+		}
+	}
+	c_writer_ops[id] = ops;
+	return NULL;
+}
+
+static void concurrency_run(u64 budget, double seconds)
+{
+	pthread_t readers[C_READERS], writers[C_WRITERS];
+	struct tsp_mc_stats st;
+	u64 lookups = 0, hits = 0, wops = 0;
+	unsigned long i;
+
+	memset(c_keys, 0, sizeof(c_keys));
+	c_stop = false;
+	CHECK_R(tsp_mc_create(budget, &c_mc), 0);
+	for (i = 0; i < C_READERS; i++)
+		CHECK_R(pthread_create(&readers[i], NULL, c_reader, (void *)i), 0);
+	for (i = 0; i < C_WRITERS; i++)
+		CHECK_R(pthread_create(&writers[i], NULL, c_writer, (void *)i), 0);
+	usleep((useconds_t)(seconds * 1e6));
+	__atomic_store_n(&c_stop, true, __ATOMIC_RELEASE);
+	for (i = 0; i < C_WRITERS; i++) {
+		pthread_join(writers[i], NULL);
+		wops += c_writer_ops[i];
+	}
+	for (i = 0; i < C_READERS; i++) {
+		pthread_join(readers[i], NULL);
+		lookups += c_reader_lookups[i];
+		hits += c_reader_hits[i];
+	}
+	tsp_mc_get_stats(c_mc, &st);
+	CHECK_R(st.hits, hits);
+	CHECK_R(st.hits + st.misses, lookups);
+	CHECK(hits > 0 && wops > 0);
+	printf("     budget %7llu: %llu writer ops, %llu lookups, %llu hits, %llu evictions, %llu buckets\n",
+	       (unsigned long long)budget, (unsigned long long)wops,
+	       (unsigned long long)lookups, (unsigned long long)hits,
+	       (unsigned long long)st.evictions, (unsigned long long)st.buckets);
+	tsp_mc_destroy(c_mc);
+	c_mc = NULL;
+	check_no_leaks();
+}
+
+static void test_concurrency(void)
+{
+	double t = quick ? 0.5 : 2.0;
+
+	phase = "concurrency";
+	concurrency_run(1u << 20, t);	/* everything fits; tables grow */
+	concurrency_run(8u << 10, t);	/* constant eviction */
+	concurrency_run(256u << 10, t);	/* some eviction; tables grow */
+	printf("ok   %s\n", phase);
+}
+
+int main(int argc, char **argv)
+{
+	const char *env = getenv("TSP_SEED");
+
+	seed = argc > 1 ? strtoull(argv[1], NULL, 0) :
+	       env ? strtoull(env, NULL, 0) : (u64)time(NULL);
+	rng = seed;
+	quick = getenv("TSP_TEST_QUICK") && !strcmp(getenv("TSP_TEST_QUICK"), "1");
+	printf("test-mapping-cache: seed %" PRIu64 "\n", seed);
+	setenv("TSP_QUIET", "1", 0);
+	setenv("TSP_BUFIO_NOSYNC", "1", 0);
+
+	tsp_user_rcu_register_thread();
+	allocs_base = tsp_user_live_allocs();
+	test_basic();
+	test_model();
+	test_concurrency();
+	tsp_user_rcu_unregister_thread();
+	return 0;
+}
