@@ -17,14 +17,38 @@
  * A snapshot shares the origin's whole mapping tree by adding a reference
  * to its root; the btree copies nodes as either side is written.
  *
+ * Mapping cache: the pool owns one (mapping-cache.h) that the map path
+ * reads under RCU alone, through tsp_thin_find_block_fast().  It is kept a
+ * subset of the metadata:
+ *
+ *   fill        tsp_thin_find_block() and tsp_thin_find_mapped_range()
+ *               cache what the btree returned, under @root_lock held for
+ *               reading, before releasing it: an update that would make
+ *               the mapping stale waits for the lock, and then fixes the
+ *               cache itself
+ *   update      insert (and restore) caches the new mapping or drops the
+ *               old one; remove and remove_range drop the blocks; deleting
+ *               a device drops all of its blocks; all under @root_lock
+ *               held for writing, before the function returns
+ *   clear       on abort, and whenever an update fails (the in-core
+ *               metadata is then in doubt until the abort)
+ *
+ * A device's snapshotted_time is read by the map path without the lock,
+ * so it is written with WRITE_ONCE() once the device is visible.
+ *
  * Locking: @root_lock, a rw_semaphore, protects everything in struct
- * tsp_pool_metadata and struct tsp_thin_device.  Public functions take it
- * (shared for lookups, exclusive for updates) and call a __name() helper
- * that asserts it is held.  Every function may sleep.
+ * tsp_pool_metadata and struct tsp_thin_device, except that @cache is
+ * also read under RCU (swapped with rcu_assign_pointer() under the lock
+ * held for writing, freed after a grace period) and snapshotted_time is
+ * also read with READ_ONCE().  Public functions take it (shared for
+ * lookups, exclusive for updates) and call a __name() helper that asserts
+ * it is held.  Every function may sleep, except
+ * tsp_thin_find_block_fast(), which takes no lock.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 
 #include "dm-thin-metadata.h"
+#include "mapping-cache.h"
 #include "persistent-data/btree.h"
 #include "persistent-data/space-map.h"
 
@@ -78,6 +102,7 @@ struct tsp_pool_metadata {
 	struct tsp_btree_info details_info;	/* dev -> details */
 
 	struct rw_semaphore root_lock;
+	struct tsp_mapping_cache __rcu *cache;	/* never NULL once open */
 	u8 uuid[16];
 	u32 version;
 	u32 flags;
@@ -104,7 +129,7 @@ struct tsp_thin_device {
 	u64 mapped_blocks;
 	u64 transaction_id;
 	u32 creation_time;
-	u32 snapshotted_time;
+	u32 snapshotted_time;	/* also read locklessly: WRITE_ONCE() */
 };
 
 /*----------------------------------------------------------------
@@ -233,6 +258,24 @@ static void setup_btree_infos(struct tsp_pool_metadata *pmd)
 
 	pmd->details_info.tm = pmd->tm;
 	pmd->details_info.vt.size = sizeof(struct disk_device_details);
+}
+
+/*----------------------------------------------------------------
+ * The mapping cache
+ *--------------------------------------------------------------*/
+/* The cache, for a holder of @root_lock (either way). */
+static struct tsp_mapping_cache *__cache(struct tsp_pool_metadata *pmd)
+{
+	lockdep_assert_held(&pmd->root_lock);
+	return rcu_dereference_protected(pmd->cache,
+					 lockdep_is_held(&pmd->root_lock));
+}
+
+/* The in-core metadata is in doubt: keep nothing derived from it. */
+static void __fail_io(struct tsp_pool_metadata *pmd)
+{
+	pmd->fail_io = true;
+	tsp_mc_clear(__cache(pmd));
 }
 
 /*----------------------------------------------------------------
@@ -375,6 +418,7 @@ int tsp_pool_metadata_open(struct block_device *bdev, sector_t data_block_size,
 			   tsp_block_t nr_data_blocks, bool format_device,
 			   struct tsp_pool_metadata **result)
 {
+	struct tsp_mapping_cache *mc;
 	struct tsp_pool_metadata *pmd;
 	bool zeroes;
 	int r;
@@ -414,6 +458,15 @@ int tsp_pool_metadata_open(struct block_device *bdev, sector_t data_block_size,
 		}
 	} else {
 		r = read_superblock(pmd, data_block_size);
+	}
+
+	/* Last: only metadata that opened pays for the bucket array. */
+	if (!r) {
+		r = tsp_mc_create(TSP_MC_DEFAULT_BUDGET, &mc);
+		if (r)
+			DMERR("could not create the mapping cache: %d", r);
+		else
+			RCU_INIT_POINTER(pmd->cache, mc);
 	}
 
 	if (r) {
@@ -525,7 +578,7 @@ static int end_update(struct tsp_pool_metadata *pmd, int r)
 {
 	if (r && r != -ENODATA && r != -EEXIST && r != -ENODEV &&
 	    r != -EBUSY && r != -EINVAL)
-		pmd->fail_io = true;
+		__fail_io(pmd);
 	else if (!r)
 		pmd->changed = true;
 	up_write(&pmd->root_lock);
@@ -540,7 +593,7 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
 		return r;
 	r = pmd->changed ? __commit_transaction(pmd) : 0;
 	if (r)
-		pmd->fail_io = true;
+		__fail_io(pmd);
 	up_write(&pmd->root_lock);
 	return r;
 }
@@ -550,8 +603,9 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
  * @pmd: pool metadata
  *
  * Rereads the last committed superblock.  Open devices keep their
- * handles, with their details as committed.  Returns 0, or the error
- * from rereading (the metadata stays failed, and may be aborted again).
+ * handles, with their details as committed.  The mapping cache is
+ * emptied first.  Returns 0, or the error from rereading (the metadata
+ * stays failed, and may be aborted again).
  */
 int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 {
@@ -571,7 +625,7 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 	old_data_sm = pmd->data_sm;
 	pmd->tm = NULL;
 	pmd->data_sm = NULL;
-	pmd->fail_io = true;
+	__fail_io(pmd);
 	r = read_superblock(pmd, pmd->data_block_size);
 	if (r) {
 		/* Stay failed, on the old objects, so getters still work. */
@@ -601,7 +655,7 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 		td->mapped_blocks = d.mapped_blocks;
 		td->transaction_id = d.transaction_id;
 		td->creation_time = d.creation_time;
-		td->snapshotted_time = d.snapshotted_time;
+		WRITE_ONCE(td->snapshotted_time, d.snapshotted_time);
 		link = &td->next;
 	}
 	r = 0;
@@ -646,6 +700,8 @@ int tsp_pool_metadata_close(struct tsp_pool_metadata *pmd)
 
 	destroy_persistent_objects(pmd);
 	tsp_bm_destroy(pmd->bm);
+	/* No device is open, so no fast lookup can be running. */
+	tsp_mc_destroy(rcu_dereference_protected(pmd->cache, true));
 	kfree(pmd);
 	return r;
 }
@@ -834,7 +890,8 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 		goto out;
 
 	pmd->time++;
-	otd->snapshotted_time = pmd->time;
+	/* Every cached mapping of the origin is now seen as shared. */
+	WRITE_ONCE(otd->snapshotted_time, pmd->time);
 	otd->changed = true;
 	d.mapped_blocks = otd->mapped_blocks;
 	d.transaction_id = pmd->trans_id;
@@ -885,6 +942,7 @@ static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 	if (r)
 		return r;
 
+	tsp_mc_invalidate_dev(__cache(pmd), dev);
 	if (td)
 		__forget_device(pmd, td);
 	return 0;
@@ -1145,8 +1203,85 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 	r = pmd->fail_io ? -EPERM : __device_root(td, &root);
 	if (!r)
 		r = __find_block(td, virt, root, result, &time);
+	if (!r)
+		tsp_mc_insert(__cache(pmd), td->id, virt, result->block, time);
 	up_read(&pmd->root_lock);
 	return r;
+}
+
+/**
+ * tsp_thin_find_block_fast - where a virtual block is mapped, from the cache
+ * @td: thin device (open; not closed while this runs)
+ * @virt: virtual block
+ * @result: out
+ *
+ * See dm-thin-metadata.h for what a hit promises.  Context: map path:
+ * any context, never sleeps, takes no lock (not @root_lock either), only
+ * an RCU read-side critical section of its own.
+ *
+ * Return: 0 on a hit, -EWOULDBLOCK on a miss.
+ */
+int tsp_thin_find_block_fast(struct tsp_thin_device *td, tsp_block_t virt,
+			     struct tsp_thin_lookup_result *result)
+{
+	struct tsp_mc_mapping m;
+	bool hit;
+
+	rcu_read_lock();
+	hit = tsp_mc_lookup(rcu_dereference(td->pmd->cache), td->id, virt, &m);
+	rcu_read_unlock();
+	if (!hit)
+		return -EWOULDBLOCK;
+	result->block = m.block;
+	result->shared = READ_ONCE(td->snapshotted_time) > m.time;
+	return 0;
+}
+
+/**
+ * tsp_pool_cache_stats - the mapping cache's counters
+ * @pmd: pool metadata
+ * @stats: out
+ *
+ * Context: may sleep (takes @root_lock for reading).
+ *
+ * Return: 0.
+ */
+int tsp_pool_cache_stats(struct tsp_pool_metadata *pmd,
+			 struct tsp_mc_stats *stats)
+{
+	down_read(&pmd->root_lock);
+	tsp_mc_get_stats(__cache(pmd), stats);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
+/**
+ * tsp_pool_metadata_set_cache_budget - replace the mapping cache
+ * @pmd: pool metadata
+ * @budget: bytes the new cache may use (0: cache nothing)
+ *
+ * The new cache starts empty (counters too); the old one is freed after
+ * an RCU grace period, so fast lookups may run throughout.  Context: may
+ * sleep.
+ *
+ * Return: 0, or -ENOMEM (the old cache stays).
+ */
+int tsp_pool_metadata_set_cache_budget(struct tsp_pool_metadata *pmd,
+				       u64 budget)
+{
+	struct tsp_mapping_cache *mc, *old;
+	int r;
+
+	r = tsp_mc_create(budget, &mc);
+	if (r)
+		return r;
+	down_write(&pmd->root_lock);
+	old = __cache(pmd);
+	rcu_assign_pointer(pmd->cache, mc);
+	up_write(&pmd->root_lock);
+	synchronize_rcu();
+	tsp_mc_destroy(old);
+	return 0;
 }
 
 int tsp_thin_find_mapped_range(struct tsp_thin_device *td, tsp_block_t begin,
@@ -1174,12 +1309,14 @@ int tsp_thin_find_mapped_range(struct tsp_thin_device *td, tsp_block_t begin,
 	unpack_mapping(le64_to_cpu(value), pool_begin, &time);
 	*thin_begin = key;
 	*maybe_shared = td->snapshotted_time > time;
+	tsp_mc_insert(__cache(pmd), td->id, key, *pool_begin, time);
 	for (b = key + 1; b < end; b++) {
 		r = __find_block(td, b, root, &lookup, &time);
 		if (r == -ENODATA)
 			break;
 		if (r)
 			goto out;
+		tsp_mc_insert(__cache(pmd), td->id, b, lookup.block, time);
 		if (lookup.block != *pool_begin + (b - key) ||
 		    lookup.shared != *maybe_shared)
 			break;
@@ -1230,6 +1367,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	if (r)
 		return r;
 
+	tsp_mc_insert(__cache(pmd), td->id, virt, data, time);
 	td->changed = true;
 	if (inserted)
 		td->mapped_blocks++;
@@ -1260,6 +1398,9 @@ static int __remove_range(struct tsp_thin_device *td, tsp_block_t begin,
 					   &root, &nr);
 	if (!r)
 		r = __set_device_root(td, old, root);
+	/* Nothing was mapped, so nothing was cached, unless it failed. */
+	if (r || nr)
+		tsp_mc_invalidate_range(__cache(td->pmd), td->id, begin, end);
 	if (r)
 		return r;
 	if (nr) {
@@ -1282,6 +1423,7 @@ int tsp_thin_remove_block(struct tsp_thin_device *td, tsp_block_t virt)
 		r = tsp_btree_remove(&pmd->bl_info, old, virt, &root);
 	if (!r)
 		r = __set_device_root(td, old, root);
+	tsp_mc_invalidate(__cache(pmd), td->id, virt);
 	if (!r) {
 		if (td->mapped_blocks)
 			td->mapped_blocks--;

@@ -10,7 +10,9 @@
  *
  * Locking: every function takes the pool metadata lock (a rw_semaphore:
  * lookups share it, updates hold it exclusively); functions named __x
- * inside dm-thin-metadata.c assume it is held.  Every function may sleep.
+ * inside dm-thin-metadata.c assume it is held.  Every function may sleep,
+ * except tsp_thin_find_block_fast() (the map path's lookup: no lock, no
+ * sleep; see "The mapping cache" below).
  *
  * Return codes, for every function returning int: 0 on success;
  * -ENODATA for a virtual block that is not mapped; -EEXIST for a device
@@ -25,6 +27,7 @@
 #define TSP_DM_THIN_METADATA_H
 
 #include "persistent-data/block-manager.h"
+#include "mapping-cache.h"
 
 /* The largest device id dm-thin accepts: 24 bits. */
 #define TSP_THIN_MAX_DEV_ID ((1ULL << 24) - 1)
@@ -99,9 +102,88 @@ struct tsp_thin_lookup_result {
 	bool shared;
 };
 
+/*
+ * Returns 0 or -ENODATA.  Caches what it finds in the mapping cache (as
+ * does tsp_thin_find_mapped_range()).
+ */
 int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
 				     tsp_block_t virt,
 				     struct tsp_thin_lookup_result *result);
+
+/*
+ * The mapping cache.
+ *
+ * The pool metadata owns a mapping cache (mapping-cache.h) of
+ * (device, virtual block) -> (data block, time), filled by
+ * tsp_thin_find_block() and tsp_thin_find_mapped_range() and kept up to
+ * date by every update, so that the map path can look a block up without
+ * any lock: tsp_thin_find_block_fast().  Its default budget is
+ * TSP_MC_DEFAULT_BUDGET bytes.
+ *
+ * What a hit promises.  The cache is only ever a subset of the metadata
+ * as of the moment.  Every function that removes or changes a mapping
+ * (tsp_thin_remove_block(), tsp_thin_remove_range(), tsp_thin_insert_block()
+ * over a mapped block, tsp_pool_delete_thin_device(),
+ * tsp_pool_abort_metadata(), and any update that fails and so puts the
+ * metadata in the failed state, which empties the cache) changes the
+ * cache under the metadata lock held for writing, before it returns.
+ * Fills happen under the lock held for reading, between the btree lookup
+ * and the unlock, so a fill cannot put back a mapping that a concurrent
+ * update removed: the update waits for the lock.  Therefore:
+ *
+ *   - a fast lookup that starts after such a function returned never
+ *     returns the old mapping;
+ *   - a fast lookup that was already running (an RCU reader that began
+ *     before the cache was changed) may still return it: the entry is
+ *     unlinked at once but freed only after an RCU grace period, and
+ *     readers standing on it finish with the old value.
+ *
+ * Hence the caller's contract (DESIGN.md section 4, deferred free): an
+ * unmapped data block may be reused only after every IO remapped through
+ * a lookup that may have seen the old mapping has completed.  If the
+ * target does the lookup and enters its IO epoch inside one RCU
+ * read-side critical section, it suffices to wait, after the unmapping
+ * call returned, for a grace period (synchronize_rcu(): every lookup that
+ * may have seen the old mapping has then entered the epoch) and then for
+ * the epoch to drain, before the freed blocks can be handed out again.
+ *
+ * Snapshots.  tsp_pool_create_snap() requires the origin to be quiesced
+ * (suspended); it moves the origin's snapshotted_time forward, so after
+ * it every cached mapping of the origin older than the snapshot is
+ * reported shared, without walking the cache.
+ */
+
+/**
+ * tsp_thin_find_block_fast - where a virtual block is mapped, if cached
+ * @td: an open thin device; the caller keeps it open until this returns
+ * @virt: virtual block
+ * @result: out, as tsp_thin_find_block() would give it: @shared is the
+ *	device's snapshotted_time (read with READ_ONCE()) > the mapping's
+ *	time
+ *
+ * Context: map path.  Never sleeps; takes no lock (not the metadata lock
+ * either) and no atomic read-modify-write: an RCU read-side critical
+ * section of its own, which may nest in the caller's.
+ *
+ * Return: 0 on a hit, or -EWOULDBLOCK on a miss (not cached, or not
+ * mapped at all: the caller defers to a worker that calls
+ * tsp_thin_find_block()).  A failed pool's cache is empty, so it misses.
+ */
+int __must_check tsp_thin_find_block_fast(struct tsp_thin_device *td,
+					  tsp_block_t virt,
+					  struct tsp_thin_lookup_result *result);
+
+/* The mapping cache's counters; returns 0.  May sleep. */
+int tsp_pool_cache_stats(struct tsp_pool_metadata *pmd,
+			 struct tsp_mc_stats *stats);
+
+/*
+ * Replace the mapping cache with an empty one of @budget bytes (0: cache
+ * nothing), freeing the old one after an RCU grace period; fast lookups
+ * may run meanwhile.  Returns 0 or -ENOMEM.  May sleep.
+ */
+int __must_check tsp_pool_metadata_set_cache_budget(struct tsp_pool_metadata *pmd,
+						    u64 budget);
 
 /**
  * tsp_thin_find_mapped_range - the first run of mapped blocks in a range

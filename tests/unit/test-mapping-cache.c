@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0-only
 /*
- * test-mapping-cache.c - mapping-cache.[ch] on its own.
+ * test-mapping-cache.c - mapping-cache.[ch] on its own and through the
+ * pool metadata API.
  *
  * Groups:
  *
@@ -20,6 +21,11 @@
  *                its key, was published by a writer, is not older than
  *                what an invalidation or replacement that returned before
  *                the lookup started left, and never goes backwards
+ *   metadata     through dm-thin-metadata.h: inserted mappings hit the
+ *                fast path; remove, remove_range, delete, abort and a
+ *                failed commit make it miss; snapshots make old mappings
+ *                shared; find_block and find_mapped_range fill; the cache
+ *                can be replaced (set_cache_budget) under fast lookups
  *
  * Every group checks that it leaves no allocation behind (after
  * rcu_barrier(), which in userspace runs the queued kfree_rcu()s).  The
@@ -34,9 +40,10 @@
  * RCU); everything else runs on the main thread.
  */
 #define DM_MSG_PREFIX "mapping-cache-test"
-#include "dm-thin-metadata.h"	/* TSP_THIN_MAX_DEV_ID */
+#include "dm-thin-metadata.h"
 #include "mapping-cache.h"
 
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <time.h>
@@ -664,6 +671,293 @@ static void test_concurrency(void)
 	printf("ok   %s\n", phase);
 }
 
+/* ------------------------------------------------------------------ */
+/* metadata                                                            */
+/* ------------------------------------------------------------------ */
+
+struct pool {
+	char path[256];
+	struct block_device *bdev;
+	struct tsp_pool_metadata *pmd;
+};
+
+static void pool_create(struct pool *p)
+{
+	const char *dir = access("/dev/shm", W_OK) ? "/tmp" : "/dev/shm";
+	int fd;
+
+	snprintf(p->path, sizeof(p->path), "%s/tsp-mc-XXXXXX", dir);
+	fd = mkstemp(p->path);
+	CHECK(fd >= 0);
+	CHECK(!ftruncate(fd, 4096 * 4096));
+	close(fd);
+	p->bdev = tsp_bdev_open(p->path, false);
+	CHECK(p->bdev);
+	CHECK_R(tsp_pool_metadata_open(p->bdev, 128, 100000, true, &p->pmd), 0);
+}
+
+static void pool_destroy(struct pool *p)
+{
+	CHECK_R(tsp_pool_metadata_close(p->pmd), 0);
+	tsp_bdev_close(p->bdev);
+	unlink(p->path);
+}
+
+static int fast(struct tsp_thin_device *td, tsp_block_t virt,
+		struct tsp_thin_lookup_result *res)
+{
+	res->block = ~0ULL;
+	return tsp_thin_find_block_fast(td, virt, res);
+}
+
+#define FAST_HIT(td, v, b, sh)						\
+	do {								\
+		struct tsp_thin_lookup_result __res;			\
+		CHECK_R(fast(td, v, &__res), 0);			\
+		CHECK_R(__res.block, b);				\
+		CHECK_R(__res.shared, sh);				\
+	} while (0)
+
+#define FAST_MISS(td, v)						\
+	do {								\
+		struct tsp_thin_lookup_result __res;			\
+		CHECK_R(fast(td, v, &__res), -EWOULDBLOCK);		\
+	} while (0)
+
+#define N_MAPPED 100
+
+static void test_metadata(void)
+{
+	struct tsp_thin_device *td1, *td2;
+	struct tsp_thin_lookup_result res;
+	tsp_block_t block[N_MAPPED], b, tb, te, pb;
+	struct tsp_mc_stats st;
+	struct pool p;
+	bool shared;
+	u64 v;
+
+	phase = "metadata";
+	pool_create(&p);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 1), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td1), 0);
+
+	/* Inserted mappings are cached as they are made. */
+	for (v = 0; v < N_MAPPED; v++) {
+		CHECK_R(tsp_pool_alloc_data_block(p.pmd, &block[v]), 0);
+		CHECK_R(tsp_thin_insert_block(td1, v, block[v]), 0);
+	}
+	for (v = 0; v < N_MAPPED; v++)
+		FAST_HIT(td1, v, block[v], false);
+	FAST_MISS(td1, N_MAPPED);	/* unmapped */
+	CHECK_R(tsp_pool_cache_stats(p.pmd, &st), 0);
+	CHECK(st.entries == N_MAPPED && st.hits == N_MAPPED && st.misses == 1);
+
+	/* A new cache is empty; the slow paths fill it. */
+	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, 1 << 20), 0);
+	FAST_MISS(td1, 0);
+	CHECK_R(tsp_thin_find_block(td1, 0, &res), 0);
+	CHECK(res.block == block[0] && !res.shared);
+	FAST_HIT(td1, 0, block[0], false);
+	CHECK_R(tsp_thin_find_mapped_range(td1, 1, N_MAPPED, &tb, &te, &pb,
+					   &shared), 0);
+	CHECK(tb == 1 && pb == block[1] && te > 1);
+	for (v = 1; v < te; v++)
+		FAST_HIT(td1, v, block[v], false);
+	CHECK_R(tsp_thin_find_block(td1, N_MAPPED, &res), -ENODATA);
+	FAST_MISS(td1, N_MAPPED);
+	for (v = 0; v < N_MAPPED; v++)
+		CHECK_R(tsp_thin_find_block(td1, v, &res), 0);
+
+	/* Unmapping: gone from the fast path before the call returns. */
+	CHECK_R(tsp_thin_remove_block(td1, 5), 0);
+	FAST_MISS(td1, 5);
+	CHECK_R(tsp_thin_find_block(td1, 5, &res), -ENODATA);
+	CHECK_R(tsp_thin_remove_range(td1, 10, 20), 0);
+	CHECK_R(tsp_thin_remove_range(td1, 60, 1ULL << 40), 0);
+	for (v = 0; v < N_MAPPED; v++) {
+		if (v == 5 || (v >= 10 && v < 20) || v >= 60)
+			FAST_MISS(td1, v);
+		else
+			FAST_HIT(td1, v, block[v], false);
+	}
+	/* Remapping replaces the cached block. */
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 30, b), 0);
+	block[30] = b;
+	FAST_HIT(td1, 30, b, false);
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+
+	/* A snapshot: the origin's old mappings are now shared. */
+	CHECK_R(tsp_pool_create_snap(p.pmd, 2, 1), 0);
+	FAST_HIT(td1, 0, block[0], true);
+	FAST_HIT(td1, 30, block[30], true);
+	CHECK_R(tsp_thin_find_block(td1, 0, &res), 0);
+	CHECK(res.shared);
+	/* Breaking sharing: a new block, exclusively owned. */
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 0, b), 0);
+	block[0] = b;
+	FAST_HIT(td1, 0, b, false);
+	/* The snapshot has its own (empty) cache entries, filled on demand. */
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 2, &td2), 0);
+	FAST_MISS(td2, 1);
+	CHECK_R(tsp_thin_find_block(td2, 1, &res), 0);
+	FAST_HIT(td2, 1, block[1], true);
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+
+	/* Abort: everything uncommitted goes, and the whole cache with it. */
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 500, b), 0);
+	FAST_HIT(td1, 500, b, false);
+	CHECK_R(tsp_thin_remove_block(td1, 1), 0);
+	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
+	FAST_MISS(td1, 500);
+	FAST_MISS(td1, 2);
+	FAST_MISS(td2, 1);
+	CHECK_R(tsp_thin_find_block(td1, 500, &res), -ENODATA);
+	CHECK_R(tsp_thin_find_block(td1, 1, &res), 0);	/* back */
+	CHECK(res.block == block[1] && res.shared);
+	FAST_HIT(td1, 1, block[1], true);
+	CHECK_R(tsp_pool_cache_stats(p.pmd, &st), 0);
+	CHECK_R(st.entries, 1);
+
+	/* Deleting a device drops its entries: a new one of that id misses. */
+	CHECK_R(tsp_thin_find_block(td2, 2, &res), 0);
+	tsp_pool_close_thin_device(td2);
+	CHECK_R(tsp_pool_delete_thin_device(p.pmd, 2), 0);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 2), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 2, &td2), 0);
+	FAST_MISS(td2, 1);
+	FAST_MISS(td2, 2);
+	CHECK_R(tsp_pool_cache_stats(p.pmd, &st), 0);
+	CHECK_R(st.entries, 1);
+	tsp_pool_close_thin_device(td2);
+
+	/* A budget of 0: nothing cached, every fast lookup misses. */
+	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, 0), 0);
+	CHECK_R(tsp_thin_find_block(td1, 1, &res), 0);
+	FAST_MISS(td1, 1);
+	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, TSP_MC_DEFAULT_BUDGET), 0);
+
+	/* A failed update empties the cache (the metadata is in doubt). */
+	CHECK_R(tsp_thin_find_block(td1, 1, &res), 0);
+	FAST_HIT(td1, 1, block[1], true);
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 600, b), 0);
+	tsp_bdev_crash_at(p.bdev, tsp_bdev_events(p.bdev));
+	CHECK(tsp_pool_commit_metadata(p.pmd) < 0);
+	FAST_MISS(td1, 1);
+	FAST_MISS(td1, 600);
+	CHECK_R(tsp_thin_find_block(td1, 1, &res), -EPERM);
+	FAST_MISS(td1, 1);
+	CHECK_R(tsp_bdev_crash_apply(p.bdev, TSP_CRASH_DROP_VOLATILE), 0);
+
+	tsp_pool_close_thin_device(td1);
+	tsp_pool_metadata_close(p.pmd);
+	tsp_bdev_close(p.bdev);
+	unlink(p.path);
+	check_no_leaks();
+	printf("ok   %s\n", phase);
+}
+
+/*
+ * Fast lookups from threads while the main thread remaps blocks, commits
+ * and replaces the cache.  Mapping generation g of virtual block v is
+ * s_hist[v][g]; s_count[v] generations have been handed to the metadata,
+ * and s_done[v] is the newest whose insert has returned.  A fast hit
+ * must be one of generations s_done[v] (read before the lookup) to
+ * s_count[v] - 1 (read after it).
+ */
+#define S_VIRTS 256
+#define S_ROUNDS 100
+
+static struct tsp_thin_device *s_td;
+static u64 s_hist[S_VIRTS][S_ROUNDS + 1];
+static unsigned int s_count[S_VIRTS], s_done[S_VIRTS];
+static bool s_stop;
+
+static void *s_reader(void *arg)
+{
+	struct tsp_thin_lookup_result res;
+	u64 state = seed ^ (0x3000 + (unsigned long)arg), n = 0;
+
+	tsp_user_rcu_register_thread();
+	while (!__atomic_load_n(&s_stop, __ATOMIC_ACQUIRE)) {
+		u32 v = rnd_next(&state) % S_VIRTS;
+		unsigned int g, done, count;
+
+		done = __atomic_load_n(&s_done[v], __ATOMIC_ACQUIRE);
+		if (tsp_thin_find_block_fast(s_td, v, &res))
+			continue;
+		count = __atomic_load_n(&s_count[v], __ATOMIC_ACQUIRE);
+		for (g = done; g < count; g++)
+			if (__atomic_load_n(&s_hist[v][g], __ATOMIC_RELAXED) == res.block)
+				break;
+		if (g == count)
+			fail(__FILE__, __LINE__,
+			     "virt %u: block %llu is none of generations %u..%u",
+			     v, (unsigned long long)res.block, done, count - 1);
+		if (res.shared)
+			fail(__FILE__, __LINE__, "virt %u: shared", v);
+		n++;
+	}
+	tsp_user_rcu_unregister_thread();
+	return (void *)(unsigned long)n;
+}
+
+static void test_metadata_concurrent(void)
+{
+	pthread_t readers[2];
+	unsigned long i, hits = 0;
+	unsigned int round, rounds = quick ? 20 : S_ROUNDS;
+	struct tsp_thin_lookup_result res;
+	struct pool p;
+	tsp_block_t b;
+	u32 v;
+
+	phase = "metadata, concurrent";
+	pool_create(&p);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 1), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &s_td), 0);
+	memset(s_count, 0, sizeof(s_count));
+	memset(s_done, 0, sizeof(s_done));
+	s_stop = false;
+	for (i = 0; i < ARRAY_SIZE(readers); i++)
+		CHECK_R(pthread_create(&readers[i], NULL, s_reader, (void *)i), 0);
+	for (round = 0; round <= rounds; round++) {
+		for (v = 0; v < S_VIRTS; v += round ? 1 + rnd_below(8) : 1) {
+			unsigned int g = s_count[v];
+
+			CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+			__atomic_store_n(&s_hist[v][g], b, __ATOMIC_RELAXED);
+			__atomic_store_n(&s_count[v], g + 1, __ATOMIC_RELEASE);
+			CHECK_R(tsp_thin_insert_block(s_td, v, b), 0);
+			__atomic_store_n(&s_done[v], g, __ATOMIC_RELEASE);
+		}
+		if (round % 10 == 9)
+			CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd,
+					round % 20 == 9 ? 1 << 16 : 1 << 20), 0);
+		for (v = 0; v < S_VIRTS; v++) {
+			CHECK_R(tsp_thin_find_block(s_td, v, &res), 0);
+			CHECK_R(res.block, s_hist[v][s_count[v] - 1]);
+		}
+		CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	}
+	__atomic_store_n(&s_stop, true, __ATOMIC_RELEASE);
+	for (i = 0; i < ARRAY_SIZE(readers); i++) {
+		void *n;
+
+		pthread_join(readers[i], &n);
+		hits += (unsigned long)n;
+	}
+	CHECK(hits > 0);
+	tsp_pool_close_thin_device(s_td);
+	s_td = NULL;
+	pool_destroy(&p);
+	check_no_leaks();
+	printf("ok   %s (%lu fast hits)\n", phase, hits);
+}
+
 int main(int argc, char **argv)
 {
 	const char *env = getenv("TSP_SEED");
@@ -681,6 +975,8 @@ int main(int argc, char **argv)
 	test_basic();
 	test_model();
 	test_concurrency();
+	test_metadata();
+	test_metadata_concurrent();
 	tsp_user_rcu_unregister_thread();
 	return 0;
 }
