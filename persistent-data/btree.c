@@ -968,6 +968,47 @@ struct check_args {
 	void *context;
 };
 
+/*
+ * A node checked already through another parent must also lie within
+ * this parent's key range: its lowest key is its first (checked then),
+ * its highest the last key of its rightmost leaf.
+ */
+static int check_shared_range(struct tsp_btree_info *info, tsp_block_t b,
+			      u64 lo, u64 hi, bool has_hi)
+{
+	struct tsp_block *blk;
+	struct btree_node *n;
+	int depth, r = 0;
+	bool first = true;
+
+	for (depth = 0; depth <= MAX_DEPTH; depth++) {
+		r = read_node(info, b, &blk);
+		if (r)
+			return r;
+		n = node_of(blk);
+		if (!nr_entries(n)) {
+			tsp_tm_unlock(info->tm, blk);
+			return 0;
+		}
+		if ((first && key_at(n, 0) < lo) ||
+		    (is_leaf(n) && has_hi && key_at(n, nr_entries(n) - 1) >= hi)) {
+			DMERR("shared btree node %llu is outside a parent's key range",
+			      (unsigned long long)b);
+			r = -EILSEQ;
+		}
+		first = false;
+		if (!r && !is_leaf(n)) {
+			b = child_at(n, nr_entries(n) - 1);
+			r = 1;
+		}
+		tsp_tm_unlock(info->tm, blk);
+		if (r <= 0)
+			return r;
+	}
+	DMERR("btree is too deep at node %llu", (unsigned long long)b);
+	return -EILSEQ;
+}
+
 static int check_node(struct check_args *a, tsp_block_t b, u64 lo, u64 hi,
 		      bool has_hi, int depth)
 {
@@ -979,8 +1020,10 @@ static int check_node(struct check_args *a, tsp_block_t b, u64 lo, u64 hi,
 
 	if (a->node_fn) {
 		r = a->node_fn(a->context, b);
+		if (r > 0)
+			return check_shared_range(info, b, lo, hi, has_hi);
 		if (r)
-			return r < 0 ? r : 0;
+			return r;
 	}
 	if (depth > MAX_DEPTH) {
 		DMERR("btree is too deep at node %llu", (unsigned long long)b);

@@ -96,8 +96,8 @@ int __must_check tsp_btree_walk(struct tsp_btree_info *info, tsp_block_t root,
  * @node_fn: called for every reference to a node (the root, and every
  *	child pointer), so counting calls gives reference counts; returns 0
  *	to descend into the node, 1 to skip it (already checked through
- *	another reference), or a negative errno to stop; may be NULL
- *	(descend always)
+ *	another reference: only its key range is checked against this
+ *	parent), or a negative errno to stop; may be NULL (descend always)
  * @value_fn: called for every value of every node descended into; may
  *	be NULL
  * @context: for the callbacks
