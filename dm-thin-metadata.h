@@ -26,11 +26,13 @@
 #ifndef TSP_DM_THIN_METADATA_H
 #define TSP_DM_THIN_METADATA_H
 
-#include "persistent-data/block-manager.h"
+#include "persistent-data/transaction-manager.h"
 #include "mapping-cache.h"
 
 /* The largest device id dm-thin accepts: 24 bits. */
 #define TSP_THIN_MAX_DEV_ID ((1ULL << 24) - 1)
+/* Metadata beyond this many blocks (about 15.9 GiB) is not used. */
+#define TSP_METADATA_MAX_BLOCKS TSP_TM_MAX_BLOCKS
 /* Data block size limits, in 512-byte sectors (64 KiB to 1 GiB). */
 #define TSP_DATA_BLOCK_SIZE_MIN_SECTORS 128
 #define TSP_DATA_BLOCK_SIZE_MAX_SECTORS 2097152

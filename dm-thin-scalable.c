@@ -1,38 +1,1932 @@
 // SPDX-License-Identifier: GPL-2.0-only
 /*
- * dm-thin-scalable.c - the device-mapper targets of thin-scalable.
+ * dm-thin-scalable.c - the thin-scal-pool and thin-scalable targets,
+ * drop-in replacements for dm-thin's thin-pool and thin: the same table
+ * lines, messages, status lines and on-disk metadata.
  *
- * This file will own the two targets, thin-scalable-pool and
- * thin-scalable, drop-in replacements for dm-thin's thin-pool and thin:
- * table parsing, the map and end_io paths (the lock-free fast path and the
- * deferred slow path), the workers, messages, status lines and pool modes
- * (issue 3; see DESIGN.md sections 1 and 4).
+ * The pool target is "thin-scal-pool", not "thin-scalable-pool": the
+ * device-mapper ioctl interface carries target type names in 16 bytes
+ * (DM_MAX_TYPE_NAME, with the terminating NUL), so 15 characters at most.
  *
- * At this stage none of that exists: the module carries the metadata layer
- * (dm-thin-metadata.c and persistent-data/) only, and registers no target.
- * Loading it therefore makes no new target available; it only proves that
- * the metadata layer builds and links as kernel code.
+ * Glossary:
+ *   pool        one metadata device + one data device; shared by every
+ *               table (reload) of the same pool mapped device
+ *   thin        a virtual device mapped onto pool blocks (struct thin_c)
+ *   block       a data block of sectors_per_block sectors
+ *   job         the provisioning of one virtual block: zeroing or copying
+ *               a new data block (or letting a full-block write fill it),
+ *               then inserting the mapping
+ *   epoch       a per-CPU count of IOs remapped to data blocks, in two
+ *               generations; see "Deferred free" below
  *
- * Module dependencies: the metadata layer calls dm_bufio_* (dm-bufio.ko)
- * and crc32c() (libcrc32c.ko).  Those are hard symbol dependencies, which
- * modpost records in the module's "depends" and modprobe follows, so no
- * MODULE_SOFTDEP() is needed.  Whoever loads the module with a bare insmod
- * must load dm-mod, dm-bufio and libcrc32c first.
+ * The IO path:
+ *   - Fast path (in map): a read, or a write without FLUSH/FUA to a block
+ *     the device owns alone, is looked up in the metadata layer's RCU
+ *     mapping cache, enters the current epoch and is remapped.  No lock.
+ *   - Everything else goes on this CPU's deferred list (an llist) and the
+ *     pool's worker is kicked.  The worker drains every CPU's list,
+ *     serialises bios per block through its table of running jobs,
+ *     provisions (zeroing with dm-kcopyd unless the bio overwrites the
+ *     whole block or zeroing is off), breaks sharing (copying with
+ *     dm-kcopyd), unmaps discarded blocks, and commits.
+ *
+ * Deferred free: a data block unmapped by a discard is freed in the
+ * current metadata transaction, and the data space map does not hand out
+ * a block freed in the current transaction.  Before the worker commits a
+ * transaction that freed blocks it waits for every IO that entered an
+ * epoch before the commit started: an IO remapped through a stale cache
+ * entry finishes before its block can be reused.
+ *
+ * Durability: before a commit the data device is flushed.  A FLUSH or FUA
+ * bio that depends on uncommitted mappings is issued (or completed) only
+ * after the commit covering them.  The worker also commits once a second
+ * when the metadata changed.
+ *
+ * Locking:
+ *   pool_table_mutex   the list of pools, and pool->ref_count
+ *   pool->commit_lock  a commit, and changes that free data blocks
+ *                      (discard, delete), with freed_this_transaction
+ *   pool->lock         (irq-safe spinlock) pool->completed_jobs,
+ *                      pool->retry_list
+ *   worker-private     everything else the worker touches: the job table,
+ *                      pool->flush_waiters, pool->issue_after_commit; only
+ *                      the pool's single ordered work item runs it
+ *   metadata           dm-thin-metadata.c's own rw_semaphore
+ *   fast path          RCU and per-CPU counters only
  */
 
 #include <linux/module.h>
 #include <linux/init.h>
 #include <linux/device-mapper.h>
+#include <linux/dm-kcopyd.h>
+#include <linux/blkdev.h>
+#include <linux/llist.h>
+#include <linux/list.h>
+#include <linux/hash.h>
+#include <linux/workqueue.h>
+#include <linux/rcupdate.h>
+#include <linux/percpu.h>
+#include <linux/slab.h>
+#include <linux/sched.h>
+#include <linux/delay.h>
+#include <linux/version.h>
+
+#include "dm-thin-metadata.h"
 
 #define DM_MSG_PREFIX "thin-scalable"
 
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 5, 0)
+#define OPEN_READ_WRITE (BLK_OPEN_READ | BLK_OPEN_WRITE)
+#else
+#define OPEN_READ_WRITE (FMODE_READ | FMODE_WRITE)
+#endif
+
+/* dm core's status flag for "status --noflush" (drivers/md/dm.h, private). */
+#define STATUS_NOFLUSH_FLAG (1 << 0)
+
+#define COMMIT_PERIOD HZ
+#define JOB_HASH_BITS 10
+/* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
+#define METADATA_LOW_WATER_BLOCKS 1024ULL
+
+static unsigned int no_space_timeout_secs = 60;
+module_param_named(no_space_timeout, no_space_timeout_secs, uint, 0644);
+MODULE_PARM_DESC(no_space_timeout,
+		 "Out of data space queue IO timeout in seconds (0: queue forever)");
+
+static unsigned int cache_budget_mib = 64;
+module_param_named(cache_budget_mib, cache_budget_mib, uint, 0644);
+MODULE_PARM_DESC(cache_budget_mib,
+		 "Mapping cache memory per pool in MiB, taken when a pool is created");
+
+/* Ordered by degradation, as dm-thin's. */
+enum pool_mode {
+	PM_WRITE,
+	PM_OUT_OF_DATA_SPACE,
+	PM_READ_ONLY,
+	PM_FAIL,
+};
+
+struct pool_features {
+	enum pool_mode mode;
+	bool zero_new_blocks;
+	bool discard_enabled;
+	bool discard_passdown;
+	bool error_if_no_space;
+};
+
+struct epoch_counts {
+	long count[2];
+};
+
+struct pool_stats {
+	u64 fast;		/* remapped in map, no lock */
+	u64 deferred;		/* handed to the worker */
+};
+
+struct pool {
+	struct list_head list;			/* pool_table */
+	struct mapped_device *pool_md;
+	dev_t metadata_devt;
+	int ref_count;				/* pool_table_mutex */
+
+	struct tsp_pool_metadata *pmd;
+	struct dm_kcopyd_client *copier;
+	struct workqueue_struct *wq;
+	struct work_struct worker;
+	struct delayed_work waker;
+	struct delayed_work no_space_timeout;
+
+	/* Set when the pool target is resumed; read by the IO path. */
+	struct dm_target *ti;
+	struct block_device *data_bdev;
+	struct pool_features pf;
+	u32 sectors_per_block;
+	int sectors_per_block_shift;		/* -1 if not a power of 2 */
+	tsp_block_t low_water_blocks;
+	bool low_water_triggered;
+	bool suspended;
+
+	struct llist_head __percpu *deferred;
+	struct epoch_counts __percpu *epoch;
+	unsigned int epoch_index;
+	struct pool_stats __percpu *stats;
+	atomic64_t commits;
+
+	/*
+	 * Held over a commit and over any change that frees data blocks, so
+	 * a commit knows whether its transaction freed blocks.
+	 */
+	struct mutex commit_lock;
+	bool freed_this_transaction;		/* commit_lock */
+
+	spinlock_t lock;
+	struct list_head completed_jobs;	/* lock */
+	struct bio_list retry_list;		/* lock: out of space */
+
+	/* Worker-private. */
+	struct hlist_head jobs[1 << JOB_HASH_BITS];
+	struct bio_list flush_waiters;		/* complete after commit */
+	struct bio_list issue_after_commit;	/* issue after commit */
+	bool commit_requested;
+};
+
+/* One table's pool target. */
+struct pool_c {
+	struct dm_target *ti;
+	struct pool *pool;
+	struct dm_dev *data_dev;
+	struct dm_dev *metadata_dev;
+	tsp_block_t low_water_blocks;
+	struct pool_features requested_pf;	/* as in the table line */
+	struct pool_features adjusted_pf;	/* after the data device's limits */
+};
+
+struct thin_c {
+	struct dm_target *ti;
+	struct pool *pool;
+	struct dm_dev *pool_dev;
+	tsp_thin_id dev_id;
+	struct tsp_thin_device *td;
+};
+
+/* Per bio, in the thin target's per-bio data. */
+struct thin_bio {
+	struct llist_node node;		/* on a deferred list */
+	struct thin_c *tc;
+	int epoch;			/* -1: not counted */
+	bio_end_io_t *saved_end_io;	/* while a job owns the bio */
+	void *saved_private;
+};
+
+struct job {
+	struct hlist_node hash;
+	struct list_head list;		/* pool->completed_jobs */
+	struct thin_c *tc;
+	tsp_block_t virt;
+	tsp_block_t data_block;
+	struct bio *bio;		/* issued once the mapping exists */
+	bool bio_wrote_block;		/* @bio itself filled the block */
+	struct bio_list waiting;	/* later bios for the same block */
+	int err;
+};
+
+static DEFINE_MUTEX(pool_table_mutex);
+static LIST_HEAD(pool_table);
+static struct kmem_cache *job_cache;
+
+/*----------------------------------------------------------------
+ * Small helpers
+ *--------------------------------------------------------------*/
+static struct thin_bio *thin_bio(struct bio *bio)
+{
+	return dm_per_bio_data(bio, sizeof(struct thin_bio));
+}
+
+static tsp_block_t bio_block(struct pool *pool, struct bio *bio)
+{
+	sector_t s = bio->bi_iter.bi_sector;
+
+	if (pool->sectors_per_block_shift >= 0)
+		return s >> pool->sectors_per_block_shift;
+	return div_u64(s, pool->sectors_per_block);
+}
+
+static sector_t block_offset(struct pool *pool, sector_t s)
+{
+	if (pool->sectors_per_block_shift >= 0)
+		return s & (pool->sectors_per_block - 1);
+	return sector_div(s, pool->sectors_per_block);
+}
+
+static void remap(struct pool *pool, struct bio *bio, tsp_block_t data_block)
+{
+	sector_t offset = block_offset(pool, bio->bi_iter.bi_sector);
+
+	bio_set_dev(bio, pool->data_bdev);
+	bio->bi_iter.bi_sector = data_block * pool->sectors_per_block + offset;
+}
+
+static bool bio_covers_block(struct pool *pool, struct bio *bio)
+{
+	return !block_offset(pool, bio->bi_iter.bi_sector) &&
+	       bio->bi_iter.bi_size == (pool->sectors_per_block << SECTOR_SHIFT);
+}
+
+static bool bio_needs_commit(struct bio *bio)
+{
+	return bio->bi_opf & (REQ_PREFLUSH | REQ_FUA);
+}
+
+static enum pool_mode pool_mode(struct pool *pool)
+{
+	return READ_ONCE(pool->pf.mode);
+}
+
+static void wake_worker(struct pool *pool)
+{
+	queue_work(pool->wq, &pool->worker);
+}
+
+/*----------------------------------------------------------------
+ * IO epochs (see "Deferred free" above)
+ *--------------------------------------------------------------*/
+
+/* Count @bio in the current epoch.  Caller holds rcu_read_lock(). */
+static void epoch_enter(struct pool *pool, struct bio *bio)
+{
+	unsigned int idx = READ_ONCE(pool->epoch_index) & 1;
+
+	this_cpu_inc(pool->epoch->count[idx]);
+	thin_bio(bio)->epoch = idx;
+}
+
+/* From end_io: may run in interrupt context. */
+static void epoch_leave(struct pool *pool, struct bio *bio)
+{
+	struct thin_bio *tb = thin_bio(bio);
+
+	if (tb->epoch >= 0) {
+		this_cpu_dec(pool->epoch->count[tb->epoch]);
+		tb->epoch = -1;
+	}
+}
+
+static long epoch_sum(struct pool *pool, unsigned int idx)
+{
+	long sum = 0;
+	int cpu;
+
+	for_each_possible_cpu(cpu)
+		sum += per_cpu_ptr(pool->epoch, cpu)->count[idx];
+	return sum;
+}
+
+/*
+ * Wait for every IO that may use a mapping removed before now.  Such an
+ * IO looked the mapping up and entered an epoch inside one RCU read-side
+ * section that began before the removal: after synchronize_rcu() all of
+ * them are counted, in the current generation.  Flip the generation so
+ * new IOs count elsewhere, and wait for the old one to drain.  Worker
+ * and commit only; sleeps.
+ */
+static void epoch_wait_grace_period(struct pool *pool)
+{
+	unsigned int old = pool->epoch_index & 1;
+
+	synchronize_rcu();
+	WRITE_ONCE(pool->epoch_index, old ^ 1);
+	smp_mb();	/* read the counts after the flip is visible */
+	while (epoch_sum(pool, old))
+		schedule_timeout_uninterruptible(1);
+}
+
+/* Send a remapped @bio, counted in the epoch. */
+static void submit_counted(struct pool *pool, struct bio *bio)
+{
+	rcu_read_lock();
+	epoch_enter(pool, bio);
+	rcu_read_unlock();
+	submit_bio_noacct(bio);
+}
+
+static void issue_remapped(struct pool *pool, struct bio *bio,
+			   tsp_block_t data_block)
+{
+	remap(pool, bio, data_block);
+	submit_counted(pool, bio);
+}
+
+/*----------------------------------------------------------------
+ * Pool modes and metadata failure
+ *--------------------------------------------------------------*/
+static const char *mode_name(enum pool_mode mode)
+{
+	switch (mode) {
+	case PM_WRITE:
+		return "write";
+	case PM_OUT_OF_DATA_SPACE:
+		return "out-of-data-space";
+	case PM_READ_ONLY:
+		return "read-only";
+	default:
+		return "fail";
+	}
+}
+
+static void error_retry_list(struct pool *pool, blk_status_t status);
+
+static void set_pool_mode(struct pool *pool, enum pool_mode mode)
+{
+	enum pool_mode old = pool_mode(pool);
+
+	if (mode == old)
+		return;
+	if (old == PM_FAIL) {
+		DMERR("%s: pool in fail mode cannot change mode",
+		      dm_device_name(pool->pool_md));
+		return;
+	}
+
+	if (mode >= PM_READ_ONLY)
+		tsp_pool_metadata_read_only(pool->pmd);
+	if (mode == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
+	    no_space_timeout_secs)
+		queue_delayed_work(pool->wq, &pool->no_space_timeout,
+				   no_space_timeout_secs * HZ);
+	WRITE_ONCE(pool->pf.mode, mode);
+	if (mode != PM_WRITE && mode != PM_OUT_OF_DATA_SPACE)
+		error_retry_list(pool, BLK_STS_IOERR);
+
+	DMWARN("%s: switching pool to %s mode", dm_device_name(pool->pool_md),
+	       mode_name(mode));
+	if (pool->ti)
+		dm_table_event(pool->ti->table);
+}
+
+/*
+ * A metadata operation failed: the transaction is half done.  Drop it,
+ * flag the metadata for checking and stop changing it.
+ */
+static void metadata_failed(struct pool *pool, const char *op, int r)
+{
+	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
+		    dm_device_name(pool->pool_md), op, r);
+
+	if (tsp_pool_abort_metadata(pool->pmd)) {
+		DMERR("%s: failed to abort metadata transaction",
+		      dm_device_name(pool->pool_md));
+		set_pool_mode(pool, PM_FAIL);
+		return;
+	}
+	if (tsp_pool_metadata_set_needs_check(pool->pmd)) {
+		DMERR("%s: failed to set 'needs_check' flag in metadata",
+		      dm_device_name(pool->pool_md));
+		set_pool_mode(pool, PM_FAIL);
+		return;
+	}
+	set_pool_mode(pool, PM_READ_ONLY);
+}
+
+/*----------------------------------------------------------------
+ * Commit
+ *--------------------------------------------------------------*/
+static int __commit(struct pool *pool)
+{
+	int r;
+
+	lockdep_assert_held(&pool->commit_lock);
+	if (!tsp_pool_changed_this_transaction(pool->pmd))
+		return 0;
+	if (pool_mode(pool) >= PM_READ_ONLY)
+		return -EPERM;
+
+	if (pool->data_bdev) {
+		r = blkdev_issue_flush(pool->data_bdev);
+		if (r) {
+			DMERR_LIMIT("%s: flushing the data device failed: %d",
+				    dm_device_name(pool->pool_md), r);
+			return r;
+		}
+	}
+	if (pool->freed_this_transaction) {
+		epoch_wait_grace_period(pool);
+		pool->freed_this_transaction = false;
+	}
+	r = tsp_pool_commit_metadata(pool->pmd);
+	if (r) {
+		metadata_failed(pool, "commit", r);
+		return r;
+	}
+	atomic64_inc(&pool->commits);
+	return 0;
+}
+
+/* Commit the metadata transaction.  May sleep; any context but the IO path. */
+static int commit(struct pool *pool)
+{
+	int r;
+
+	mutex_lock(&pool->commit_lock);
+	r = __commit(pool);
+	mutex_unlock(&pool->commit_lock);
+	return r;
+}
+
+/* Worker: commit if anyone waits for it, then release them. */
+static void process_commit(struct pool *pool)
+{
+	struct bio_list waiters, issue;
+	struct bio *bio;
+	blk_status_t status = BLK_STS_OK;
+
+	if (bio_list_empty(&pool->flush_waiters) &&
+	    bio_list_empty(&pool->issue_after_commit) &&
+	    !pool->commit_requested)
+		return;
+
+	pool->commit_requested = false;
+	if (commit(pool) && pool_mode(pool) >= PM_READ_ONLY)
+		status = BLK_STS_IOERR;
+
+	waiters = pool->flush_waiters;
+	bio_list_init(&pool->flush_waiters);
+	issue = pool->issue_after_commit;
+	bio_list_init(&pool->issue_after_commit);
+
+	while ((bio = bio_list_pop(&waiters))) {
+		bio->bi_status = status;
+		bio_endio(bio);
+	}
+	while ((bio = bio_list_pop(&issue))) {
+		if (status) {
+			bio->bi_status = status;
+			bio_endio(bio);
+		} else {
+			/* Remapped already, or an empty flush for the data device. */
+			if (!bio_has_data(bio))
+				bio_set_dev(bio, pool->data_bdev);
+			submit_counted(pool, bio);
+		}
+	}
+}
+
+/*----------------------------------------------------------------
+ * Jobs: provisioning one block
+ *--------------------------------------------------------------*/
+static struct hlist_head *job_bucket(struct pool *pool, struct thin_c *tc,
+				     tsp_block_t virt)
+{
+	return &pool->jobs[hash_64(virt ^ ((u64)tc->dev_id << 40),
+				   JOB_HASH_BITS)];
+}
+
+static struct job *find_job(struct pool *pool, struct thin_c *tc,
+			    tsp_block_t virt)
+{
+	struct job *job;
+
+	hlist_for_each_entry(job, job_bucket(pool, tc, virt), hash)
+		if (job->tc == tc && job->virt == virt)
+			return job;
+	return NULL;
+}
+
+/* Make @job the one running for @virt of @tc. */
+static void add_job(struct pool *pool, struct job *job, struct thin_c *tc,
+		    tsp_block_t virt, struct bio *bio)
+{
+	job->tc = tc;
+	job->virt = virt;
+	job->bio = bio;
+	bio_list_init(&job->waiting);
+	hlist_add_head(&job->hash, job_bucket(pool, tc, virt));
+}
+
+/* From any context: the job's IO is done; the worker finishes it. */
+static void job_io_done(struct job *job, int err)
+{
+	struct pool *pool = job->tc->pool;
+	unsigned long flags;
+
+	job->err = err;
+	spin_lock_irqsave(&pool->lock, flags);
+	list_add_tail(&job->list, &pool->completed_jobs);
+	spin_unlock_irqrestore(&pool->lock, flags);
+	wake_worker(pool);
+}
+
+static void kcopyd_done(int read_err, unsigned long write_err, void *context)
+{
+	job_io_done(context, (read_err || write_err) ? -EIO : 0);
+}
+
+/* The bio that fills the whole block completed. */
+static void overwrite_endio(struct bio *bio)
+{
+	struct job *job = bio->bi_private;
+	struct thin_bio *tb = thin_bio(bio);
+
+	bio->bi_end_io = tb->saved_end_io;
+	bio->bi_private = tb->saved_private;
+	/*
+	 * The data write is done: leave the epoch now, not when the worker
+	 * completes the bio, or a commit waiting for the epoch would wait
+	 * for the worker that runs it.
+	 */
+	epoch_leave(job->tc->pool, bio);
+	job_io_done(job, blk_status_to_errno(bio->bi_status));
+}
+
+static void start_overwrite(struct pool *pool, struct job *job)
+{
+	struct bio *bio = job->bio;
+	struct thin_bio *tb = thin_bio(bio);
+
+	job->bio_wrote_block = true;
+	tb->saved_end_io = bio->bi_end_io;
+	tb->saved_private = bio->bi_private;
+	bio->bi_end_io = overwrite_endio;
+	bio->bi_private = job;
+	issue_remapped(pool, bio, job->data_block);
+}
+
+static struct dm_io_region block_region(struct pool *pool, tsp_block_t b)
+{
+	struct dm_io_region region = {
+		.bdev = pool->data_bdev,
+		.sector = b * pool->sectors_per_block,
+		.count = pool->sectors_per_block,
+	};
+
+	return region;
+}
+
+static void defer_bio(struct pool *pool, struct bio *bio);
+
+/* Worker: a job's IO finished; map the block and release the bios. */
+static void finish_job(struct pool *pool, struct job *job)
+{
+	struct thin_c *tc = job->tc;
+	struct bio *bio = job->bio;
+	int r = job->err;
+
+	hlist_del(&job->hash);
+
+	if (!r) {
+		r = tsp_thin_insert_block(tc->td, job->virt, job->data_block);
+		if (r)
+			metadata_failed(pool, "insert_block", r);
+	}
+
+	if (r) {
+		bio->bi_status = errno_to_blk_status(r);
+		bio_endio(bio);
+	} else if (job->bio_wrote_block) {
+		if (bio_needs_commit(bio))
+			bio_list_add(&pool->flush_waiters, bio);
+		else
+			bio_endio(bio);
+	} else if (bio_needs_commit(bio)) {
+		/* Issue the data write once the mapping is durable. */
+		remap(pool, bio, job->data_block);
+		bio_list_add(&pool->issue_after_commit, bio);
+	} else {
+		issue_remapped(pool, bio, job->data_block);
+	}
+
+	while ((bio = bio_list_pop(&job->waiting)))
+		defer_bio(pool, bio);
+	kmem_cache_free(job_cache, job);
+}
+
+static void process_completed_jobs(struct pool *pool)
+{
+	struct job *job, *tmp;
+	LIST_HEAD(jobs);
+
+	spin_lock_irq(&pool->lock);
+	list_splice_init(&pool->completed_jobs, &jobs);
+	spin_unlock_irq(&pool->lock);
+
+	list_for_each_entry_safe(job, tmp, &jobs, list)
+		finish_job(pool, job);
+}
+
+/*----------------------------------------------------------------
+ * Out of data space
+ *--------------------------------------------------------------*/
+static void error_retry_list(struct pool *pool, blk_status_t status)
+{
+	struct bio_list bios;
+	struct bio *bio;
+
+	spin_lock_irq(&pool->lock);
+	bios = pool->retry_list;
+	bio_list_init(&pool->retry_list);
+	spin_unlock_irq(&pool->lock);
+
+	while ((bio = bio_list_pop(&bios))) {
+		bio->bi_status = status;
+		bio_endio(bio);
+	}
+}
+
+static void requeue_retry_list(struct pool *pool)
+{
+	struct bio_list bios;
+	struct bio *bio;
+
+	spin_lock_irq(&pool->lock);
+	bios = pool->retry_list;
+	bio_list_init(&pool->retry_list);
+	spin_unlock_irq(&pool->lock);
+
+	while ((bio = bio_list_pop(&bios)))
+		defer_bio(pool, bio);
+}
+
+static void do_no_space_timeout(struct work_struct *ws)
+{
+	struct pool *pool = container_of(to_delayed_work(ws), struct pool,
+					 no_space_timeout);
+
+	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space) {
+		DMWARN("%s: no data space for %u s: erroring queued IO",
+		       dm_device_name(pool->pool_md), no_space_timeout_secs);
+		pool->pf.error_if_no_space = true;
+		error_retry_list(pool, BLK_STS_NOSPC);
+	}
+}
+
+/* A write needs a new block and there is none. */
+static void no_space_for(struct pool *pool, struct bio *bio)
+{
+	set_pool_mode(pool, PM_OUT_OF_DATA_SPACE);
+	if (pool->pf.error_if_no_space) {
+		bio->bi_status = BLK_STS_NOSPC;
+		bio_endio(bio);
+		return;
+	}
+	spin_lock_irq(&pool->lock);
+	bio_list_add(&pool->retry_list, bio);
+	spin_unlock_irq(&pool->lock);
+}
+
+static void check_low_water_mark(struct pool *pool)
+{
+	tsp_block_t free;
+
+	if (pool->low_water_triggered ||
+	    tsp_pool_get_free_block_count(pool->pmd, &free) ||
+	    free > pool->low_water_blocks)
+		return;
+	DMWARN("%s: reached low water mark for data device: sending event",
+	       dm_device_name(pool->pool_md));
+	pool->low_water_triggered = true;
+	if (pool->ti)
+		dm_table_event(pool->ti->table);
+}
+
+/*----------------------------------------------------------------
+ * The worker's bio processing
+ *--------------------------------------------------------------*/
+
+/* Allocate a data block; -ENOSPC has been dealt with (bio queued). */
+static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
+{
+	int r;
+
+	if (pool_mode(pool) != PM_WRITE) {
+		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
+			no_space_for(pool, bio);
+			return -ENOSPC;
+		}
+		bio_io_error(bio);
+		return -EPERM;
+	}
+
+	r = tsp_pool_alloc_data_block(pool->pmd, result);
+	if (r == -ENOSPC) {
+		no_space_for(pool, bio);
+		return r;
+	}
+	if (r) {
+		metadata_failed(pool, "alloc_data_block", r);
+		bio_io_error(bio);
+		return r;
+	}
+	check_low_water_mark(pool);
+	return 0;
+}
+
+/*
+ * A write to an unmapped block (@old_block == NULL) or to a shared one:
+ * get a new block filled by the bio itself, by zeroing, or by copying the
+ * shared block, then map it (finish_job).
+ */
+static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
+		      const tsp_block_t *old_block)
+{
+	struct pool *pool = tc->pool;
+	struct dm_io_region to, from;
+	struct job *job;
+
+	/* Allocated before the block, so a failure leaks nothing. */
+	job = kmem_cache_zalloc(job_cache, GFP_NOIO);
+	if (!job) {
+		bio_io_error(bio);
+		return;
+	}
+	if (alloc_block(pool, bio, &job->data_block)) {
+		kmem_cache_free(job_cache, job);
+		return;
+	}
+	add_job(pool, job, tc, virt, bio);
+
+	if (bio_covers_block(pool, bio)) {
+		start_overwrite(pool, job);
+		return;
+	}
+
+	to = block_region(pool, job->data_block);
+	if (old_block) {
+		from = block_region(pool, *old_block);
+		dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
+	} else if (pool->pf.zero_new_blocks) {
+		dm_kcopyd_zero(pool->copier, 1, &to, 0, kcopyd_done, job);
+	} else {
+		job_io_done(job, 0);
+	}
+}
+
+static void process_discard(struct thin_c *tc, struct bio *bio)
+{
+	struct pool *pool = tc->pool;
+	sector_t start = bio->bi_iter.bi_sector;
+	sector_t end = bio_end_sector(bio);
+	tsp_block_t begin_b, end_b, b, tb, te, pb;
+	bool shared;
+	u32 count;
+	int r = 0;
+
+	if (!pool->pf.discard_enabled) {
+		bio_endio(bio);
+		return;
+	}
+	if (pool_mode(pool) >= PM_READ_ONLY) {
+		bio_io_error(bio);
+		return;
+	}
+
+	/* Only whole blocks are unmapped. */
+	begin_b = div_u64(start + pool->sectors_per_block - 1, pool->sectors_per_block);
+	end_b = div_u64(end, pool->sectors_per_block);
+
+	for (b = begin_b; b < end_b; b++) {
+		struct job *job = find_job(pool, tc, b);
+
+		if (job) {
+			bio_list_add(&job->waiting, bio);
+			return;
+		}
+	}
+
+	mutex_lock(&pool->commit_lock);
+	while (!r && begin_b < end_b) {
+		r = tsp_thin_find_mapped_range(tc->td, begin_b, end_b, &tb, &te,
+					       &pb, &shared);
+		if (r == -ENODATA) {
+			r = 0;
+			break;
+		}
+		if (r)
+			break;
+		r = tsp_thin_remove_range(tc->td, tb, te);
+		if (r)
+			break;
+		pool->freed_this_transaction = true;
+
+		if (pool->pf.discard_passdown) {
+			for (b = 0; !r && b < te - tb; b++) {
+				r = tsp_pool_get_data_block_refcount(pool->pmd,
+								     pb + b, &count);
+				if (!r && !count)
+					blkdev_issue_discard(pool->data_bdev,
+							     (pb + b) * pool->sectors_per_block,
+							     pool->sectors_per_block,
+							     GFP_NOIO);
+			}
+		}
+		begin_b = te;
+	}
+	mutex_unlock(&pool->commit_lock);
+
+	if (r) {
+		metadata_failed(pool, "discard", r);
+		bio_io_error(bio);
+		return;
+	}
+	bio_endio(bio);
+}
+
+static void process_bio(struct thin_c *tc, struct bio *bio)
+{
+	struct pool *pool = tc->pool;
+	struct tsp_thin_lookup_result result;
+	tsp_block_t virt;
+	struct job *job;
+	int r;
+
+	if (pool_mode(pool) == PM_FAIL) {
+		bio_io_error(bio);
+		return;
+	}
+
+	if (bio_op(bio) == REQ_OP_DISCARD) {
+		process_discard(tc, bio);
+		return;
+	}
+
+	if (!bio_has_data(bio)) {
+		/* An empty flush: after the commit, on to the data device. */
+		pool->commit_requested = true;
+		bio_list_add(&pool->issue_after_commit, bio);
+		return;
+	}
+
+	virt = bio_block(pool, bio);
+	job = find_job(pool, tc, virt);
+	if (job) {
+		bio_list_add(&job->waiting, bio);
+		return;
+	}
+
+	r = tsp_thin_find_block(tc->td, virt, &result);
+	if (r == -ENODATA) {
+		if (bio_data_dir(bio) == READ) {
+			zero_fill_bio(bio);
+			bio_endio(bio);
+		} else {
+			provision(tc, bio, virt, NULL);
+		}
+		return;
+	}
+	if (r) {
+		DMERR_LIMIT("%s: lookup of block %llu failed: %d",
+			    dm_device_name(pool->pool_md),
+			    (unsigned long long)virt, r);
+		bio_io_error(bio);
+		return;
+	}
+
+	if (bio_data_dir(bio) == WRITE && result.shared) {
+		provision(tc, bio, virt, &result.block);
+		return;
+	}
+
+	if (bio_needs_commit(bio) &&
+	    tsp_pool_changed_this_transaction(pool->pmd)) {
+		remap(pool, bio, result.block);
+		bio_list_add(&pool->issue_after_commit, bio);
+		return;
+	}
+	issue_remapped(pool, bio, result.block);
+}
+
+static void process_deferred_bios(struct pool *pool)
+{
+	struct llist_node *list;
+	struct thin_bio *tb, *tmp;
+	int cpu;
+
+	for_each_possible_cpu(cpu) {
+		list = llist_del_all(per_cpu_ptr(pool->deferred, cpu));
+		list = llist_reverse_order(list);
+		llist_for_each_entry_safe(tb, tmp, list, node) {
+			struct bio *bio = dm_bio_from_per_bio_data(tb, sizeof(*tb));
+
+			process_bio(tb->tc, bio);
+			cond_resched();
+		}
+	}
+}
+
+static void do_worker(struct work_struct *ws)
+{
+	struct pool *pool = container_of(ws, struct pool, worker);
+
+	process_completed_jobs(pool);
+	process_deferred_bios(pool);
+	process_commit(pool);
+}
+
+/* Commit once a second when the metadata changed. */
+static void do_waker(struct work_struct *ws)
+{
+	struct pool *pool = container_of(to_delayed_work(ws), struct pool, waker);
+
+	if (tsp_pool_changed_this_transaction(pool->pmd)) {
+		pool->commit_requested = true;
+		wake_worker(pool);
+	}
+	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
+}
+
+/* Hand @bio to the worker through this CPU's deferred list. */
+static void defer_bio(struct pool *pool, struct bio *bio)
+{
+	struct thin_bio *tb = thin_bio(bio);
+
+	this_cpu_inc(pool->stats->deferred);
+	llist_add(&tb->node, this_cpu_ptr(pool->deferred));
+	wake_worker(pool);
+}
+
+/*----------------------------------------------------------------
+ * Pool lifetime
+ *--------------------------------------------------------------*/
+static void pool_destroy(struct pool *pool)
+{
+	cancel_delayed_work_sync(&pool->waker);
+	cancel_delayed_work_sync(&pool->no_space_timeout);
+	if (tsp_pool_metadata_close(pool->pmd) < 0)
+		DMWARN("%s: metadata close failed", __func__);
+	if (pool->copier)
+		dm_kcopyd_client_destroy(pool->copier);
+	if (pool->wq)
+		destroy_workqueue(pool->wq);
+	free_percpu(pool->deferred);
+	free_percpu(pool->epoch);
+	free_percpu(pool->stats);
+	kfree(pool);
+}
+
+static struct pool *pool_create(struct mapped_device *pool_md,
+				struct block_device *metadata_bdev,
+				tsp_block_t nr_data_blocks,
+				u32 sectors_per_block, char **error)
+{
+	struct pool *pool;
+	int r, cpu;
+
+	pool = kzalloc(sizeof(*pool), GFP_KERNEL);
+	if (!pool) {
+		*error = "Error allocating memory for pool";
+		return ERR_PTR(-ENOMEM);
+	}
+
+	r = tsp_pool_metadata_open(metadata_bdev, sectors_per_block,
+				   nr_data_blocks, true, &pool->pmd);
+	if (r) {
+		*error = "Error opening metadata block device";
+		kfree(pool);
+		return ERR_PTR(r);
+	}
+
+	r = tsp_pool_metadata_set_cache_budget(pool->pmd,
+					       (u64)cache_budget_mib << 20);
+	if (r) {
+		*error = "Error allocating the mapping cache";
+		tsp_pool_metadata_close(pool->pmd);
+		kfree(pool);
+		return ERR_PTR(r);
+	}
+
+	pool->pool_md = pool_md;
+	pool->metadata_devt = metadata_bdev->bd_dev;
+	pool->sectors_per_block = sectors_per_block;
+	pool->sectors_per_block_shift = is_power_of_2(sectors_per_block) ?
+					__ffs(sectors_per_block) : -1;
+	pool->ref_count = 1;
+	spin_lock_init(&pool->lock);
+	mutex_init(&pool->commit_lock);
+	INIT_LIST_HEAD(&pool->completed_jobs);
+	bio_list_init(&pool->retry_list);
+	bio_list_init(&pool->flush_waiters);
+	bio_list_init(&pool->issue_after_commit);
+	INIT_WORK(&pool->worker, do_worker);
+	INIT_DELAYED_WORK(&pool->waker, do_waker);
+	INIT_DELAYED_WORK(&pool->no_space_timeout, do_no_space_timeout);
+	atomic64_set(&pool->commits, 0);
+
+	r = -ENOMEM;
+	pool->deferred = alloc_percpu(struct llist_head);
+	pool->epoch = alloc_percpu(struct epoch_counts);
+	pool->stats = alloc_percpu(struct pool_stats);
+	if (!pool->deferred || !pool->epoch || !pool->stats) {
+		*error = "Error allocating per-CPU state";
+		goto bad;
+	}
+	for_each_possible_cpu(cpu)
+		init_llist_head(per_cpu_ptr(pool->deferred, cpu));
+
+	pool->wq = alloc_ordered_workqueue("tsp-" DM_MSG_PREFIX, WQ_MEM_RECLAIM);
+	if (!pool->wq) {
+		*error = "Error creating pool's workqueue";
+		goto bad;
+	}
+	pool->copier = dm_kcopyd_client_create(NULL);
+	if (IS_ERR(pool->copier)) {
+		r = PTR_ERR(pool->copier);
+		pool->copier = NULL;
+		*error = "Error creating pool's kcopyd client";
+		goto bad;
+	}
+
+	list_add(&pool->list, &pool_table);
+	return pool;
+bad:
+	pool_destroy(pool);
+	return ERR_PTR(r);
+}
+
+/* Find or create the pool of @pool_md.  Caller holds pool_table_mutex. */
+static struct pool *pool_find(struct mapped_device *pool_md,
+			      struct block_device *metadata_bdev,
+			      tsp_block_t nr_data_blocks, u32 sectors_per_block,
+			      char **error)
+{
+	struct pool *pool;
+
+	lockdep_assert_held(&pool_table_mutex);
+	list_for_each_entry(pool, &pool_table, list) {
+		if (pool->metadata_devt == metadata_bdev->bd_dev &&
+		    pool->pool_md != pool_md) {
+			*error = "metadata device already in use by a pool";
+			return ERR_PTR(-EBUSY);
+		}
+		if (pool->pool_md == pool_md) {
+			if (pool->metadata_devt != metadata_bdev->bd_dev) {
+				*error = "different pool cannot replace a pool";
+				return ERR_PTR(-EINVAL);
+			}
+			if (pool->sectors_per_block != sectors_per_block) {
+				*error = "cannot change the data block size of a pool";
+				return ERR_PTR(-EINVAL);
+			}
+			pool->ref_count++;
+			return pool;
+		}
+	}
+	return pool_create(pool_md, metadata_bdev, nr_data_blocks,
+			   sectors_per_block, error);
+}
+
+static void pool_put(struct pool *pool)
+{
+	mutex_lock(&pool_table_mutex);
+	if (!--pool->ref_count) {
+		list_del(&pool->list);
+		pool_destroy(pool);
+	}
+	mutex_unlock(&pool_table_mutex);
+}
+
+/*----------------------------------------------------------------
+ * The pool target
+ *--------------------------------------------------------------*/
+static int parse_pool_features(struct dm_arg_set *as, struct pool_features *pf,
+			       struct dm_target *ti)
+{
+	static const struct dm_arg _args[] = {
+		{0, 4, "Invalid number of pool feature arguments"},
+	};
+	unsigned int argc;
+	const char *arg;
+	int r;
+
+	if (!as->argc)
+		return 0;
+	r = dm_read_arg_group(_args, as, &argc, &ti->error);
+	if (r)
+		return -EINVAL;
+
+	while (argc--) {
+		arg = dm_shift_arg(as);
+		if (!strcasecmp(arg, "skip_block_zeroing")) {
+			pf->zero_new_blocks = false;
+		} else if (!strcasecmp(arg, "ignore_discard")) {
+			pf->discard_enabled = false;
+		} else if (!strcasecmp(arg, "no_discard_passdown")) {
+			pf->discard_passdown = false;
+		} else if (!strcasecmp(arg, "read_only")) {
+			pf->mode = PM_READ_ONLY;
+		} else if (!strcasecmp(arg, "error_if_no_space")) {
+			pf->error_if_no_space = true;
+		} else {
+			ti->error = "Unrecognised pool feature requested";
+			return -EINVAL;
+		}
+	}
+	return 0;
+}
+
+static void pool_dtr(struct dm_target *ti)
+{
+	struct pool_c *pt = ti->private;
+
+	pool_put(pt->pool);
+	dm_put_device(ti, pt->metadata_dev);
+	dm_put_device(ti, pt->data_dev);
+	kfree(pt);
+}
+
+/*
+ * thin-scal-pool <metadata dev> <data dev> <data block size (sectors)>
+ *	<low water mark (blocks)> [<#feature args> [<arg>]*]
+ */
+static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
+{
+	struct dm_arg_set as = { .argc = argc, .argv = argv };
+	struct pool_features pf = {
+		.mode = PM_WRITE,
+		.zero_new_blocks = true,
+		.discard_enabled = true,
+		.discard_passdown = true,
+	};
+	struct dm_dev *metadata_dev, *data_dev;
+	unsigned long block_size;
+	unsigned long long low_water;
+	struct pool_c *pt;
+	struct pool *pool;
+	char dummy;
+	int r;
+
+	if (argc < 4) {
+		ti->error = "Invalid argument count";
+		return -EINVAL;
+	}
+
+	mutex_lock(&pool_table_mutex);
+	as.argc -= 4;
+	as.argv += 4;
+	r = parse_pool_features(&as, &pf, ti);
+	if (r)
+		goto out_unlock;
+
+	r = dm_get_device(ti, argv[0], OPEN_READ_WRITE, &metadata_dev);
+	if (r) {
+		ti->error = "Error opening metadata block device";
+		goto out_unlock;
+	}
+	r = dm_get_device(ti, argv[1], OPEN_READ_WRITE, &data_dev);
+	if (r) {
+		ti->error = "Error getting data device";
+		goto out_metadata;
+	}
+	if (metadata_dev->bdev == data_dev->bdev) {
+		ti->error = "Error: metadata and data devices are the same device";
+		r = -EINVAL;
+		goto out_data;
+	}
+
+	if (kstrtoul(argv[2], 10, &block_size) ||
+	    block_size < TSP_DATA_BLOCK_SIZE_MIN_SECTORS ||
+	    block_size > TSP_DATA_BLOCK_SIZE_MAX_SECTORS ||
+	    block_size % TSP_DATA_BLOCK_SIZE_MIN_SECTORS) {
+		ti->error = "Invalid block size";
+		r = -EINVAL;
+		goto out_data;
+	}
+	if (sscanf(argv[3], "%llu%c", &low_water, &dummy) != 1) {
+		ti->error = "Invalid low water mark";
+		r = -EINVAL;
+		goto out_data;
+	}
+	if (ti->len < block_size) {
+		ti->error = "Pool is smaller than one data block";
+		r = -EINVAL;
+		goto out_data;
+	}
+
+	pt = kzalloc(sizeof(*pt), GFP_KERNEL);
+	if (!pt) {
+		ti->error = "Error allocating pool context";
+		r = -ENOMEM;
+		goto out_data;
+	}
+
+	pool = pool_find(dm_table_get_md(ti->table), metadata_dev->bdev,
+			 div_u64(ti->len, block_size), block_size, &ti->error);
+	if (IS_ERR(pool)) {
+		r = PTR_ERR(pool);
+		goto out_free;
+	}
+
+	if (!pool->data_bdev)
+		pool->data_bdev = data_dev->bdev;	/* until preresume binds */
+	pt->ti = ti;
+	pt->pool = pool;
+	pt->metadata_dev = metadata_dev;
+	pt->data_dev = data_dev;
+	pt->low_water_blocks = low_water;
+	pt->requested_pf = pf;
+	pt->adjusted_pf = pf;
+	if (!bdev_max_discard_sectors(data_dev->bdev))
+		pt->adjusted_pf.discard_passdown = false;
+
+	ti->private = pt;
+	ti->num_flush_bios = 1;
+	ti->flush_supported = true;
+	ti->num_discard_bios = 1;
+	ti->discards_supported = true;
+	mutex_unlock(&pool_table_mutex);
+	return 0;
+
+out_free:
+	kfree(pt);
+out_data:
+	dm_put_device(ti, data_dev);
+out_metadata:
+	dm_put_device(ti, metadata_dev);
+out_unlock:
+	mutex_unlock(&pool_table_mutex);
+	return r;
+}
+
+/* Bios sent to the pool device itself go to the data device. */
+static int pool_map(struct dm_target *ti, struct bio *bio)
+{
+	struct pool_c *pt = ti->private;
+
+	bio_set_dev(bio, pt->data_dev->bdev);
+	return DM_MAPIO_REMAPPED;
+}
+
+static int resize_data(struct pool_c *pt)
+{
+	struct pool *pool = pt->pool;
+	tsp_block_t want = div_u64(pt->ti->len, pool->sectors_per_block);
+	tsp_block_t have;
+	int r;
+
+	r = tsp_pool_get_data_block_count(pool->pmd, &have);
+	if (r)
+		return r;
+	if (want < have) {
+		DMERR("%s: pool target (%llu blocks) is smaller than before (%llu blocks)",
+		      dm_device_name(pool->pool_md), (unsigned long long)want,
+		      (unsigned long long)have);
+		return -EINVAL;
+	}
+	if (want == have)
+		return 0;
+
+	r = tsp_pool_resize_data_dev(pool->pmd, want);
+	if (r) {
+		metadata_failed(pool, "resize_data_dev", r);
+		return r;
+	}
+	return tsp_pool_commit_metadata(pool->pmd);
+}
+
+static int resize_metadata(struct pool_c *pt)
+{
+	struct pool *pool = pt->pool;
+	tsp_block_t want = min_t(tsp_block_t, TSP_METADATA_MAX_BLOCKS,
+				 bdev_nr_sectors(pt->metadata_dev->bdev) >>
+				 (PAGE_SHIFT - SECTOR_SHIFT));
+	tsp_block_t have;
+	int r;
+
+	r = tsp_pool_get_metadata_dev_size(pool->pmd, &have);
+	if (r || want <= have)
+		return r;
+	r = tsp_pool_resize_metadata_dev(pool->pmd, want);
+	if (r) {
+		metadata_failed(pool, "resize_metadata_dev", r);
+		return r;
+	}
+	return tsp_pool_commit_metadata(pool->pmd);
+}
+
+static int pool_preresume(struct dm_target *ti)
+{
+	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
+	int r;
+
+	/* Bind this table's devices and features to the pool. */
+	pool->ti = ti;
+	pool->data_bdev = pt->data_dev->bdev;
+	pool->low_water_blocks = pt->low_water_blocks;
+	pool->pf.zero_new_blocks = pt->adjusted_pf.zero_new_blocks;
+	pool->pf.discard_enabled = pt->adjusted_pf.discard_enabled;
+	pool->pf.discard_passdown = pt->adjusted_pf.discard_passdown;
+	pool->pf.error_if_no_space = pt->adjusted_pf.error_if_no_space;
+
+	if (tsp_pool_metadata_needs_check(pool->pmd) &&
+	    pt->requested_pf.mode == PM_WRITE) {
+		DMERR("%s: unable to switch pool to write mode until repaired",
+		      dm_device_name(pool->pool_md));
+		set_pool_mode(pool, PM_READ_ONLY);
+	} else if (pool_mode(pool) != PM_FAIL) {
+		if (pt->requested_pf.mode == PM_READ_ONLY)
+			set_pool_mode(pool, PM_READ_ONLY);
+		else if (pool_mode(pool) == PM_READ_ONLY)
+			DMWARN("%s: pool stays read-only", dm_device_name(pool->pool_md));
+	}
+
+	if (pool_mode(pool) < PM_READ_ONLY) {
+		r = resize_data(pt);
+		if (!r)
+			r = resize_metadata(pt);
+		if (r)
+			return r;
+		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
+			tsp_block_t free;
+
+			if (!tsp_pool_get_free_block_count(pool->pmd, &free) && free)
+				set_pool_mode(pool, PM_WRITE);
+		}
+	}
+	return 0;
+}
+
+static void pool_resume(struct dm_target *ti)
+{
+	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
+
+	pool->suspended = false;
+	pool->low_water_triggered = false;
+	requeue_retry_list(pool);
+	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
+}
+
+static void pool_postsuspend(struct dm_target *ti)
+{
+	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
+
+	pool->suspended = true;
+	cancel_delayed_work_sync(&pool->waker);
+	cancel_delayed_work_sync(&pool->no_space_timeout);
+	flush_workqueue(pool->wq);
+	(void)commit(pool);
+}
+
+static int process_message(struct pool *pool, unsigned int argc, char **argv,
+			   char *result, unsigned int maxlen)
+{
+	unsigned long long id, origin, new_id;
+	int r;
+
+	if (!strcasecmp(argv[0], "create_thin") && argc == 2) {
+		if (kstrtoull(argv[1], 10, &id))
+			goto bad_number;
+		r = tsp_pool_create_thin(pool->pmd, id);
+	} else if (!strcasecmp(argv[0], "create_snap") && argc == 3) {
+		if (kstrtoull(argv[1], 10, &id) || kstrtoull(argv[2], 10, &origin))
+			goto bad_number;
+		r = tsp_pool_create_snap(pool->pmd, id, origin);
+	} else if (!strcasecmp(argv[0], "delete") && argc == 2) {
+		if (kstrtoull(argv[1], 10, &id))
+			goto bad_number;
+		mutex_lock(&pool->commit_lock);
+		r = tsp_pool_delete_thin_device(pool->pmd, id);
+		if (!r)
+			pool->freed_this_transaction = true;
+		mutex_unlock(&pool->commit_lock);
+	} else if (!strcasecmp(argv[0], "set_transaction_id") && argc == 3) {
+		if (kstrtoull(argv[1], 10, &id) || kstrtoull(argv[2], 10, &new_id))
+			goto bad_number;
+		r = tsp_pool_set_metadata_transaction_id(pool->pmd, id, new_id);
+	} else if (!strcasecmp(argv[0], "reserve_metadata_snap") && argc == 1) {
+		r = tsp_pool_reserve_metadata_snap(pool->pmd);
+	} else if (!strcasecmp(argv[0], "release_metadata_snap") && argc == 1) {
+		r = tsp_pool_release_metadata_snap(pool->pmd);
+	} else {
+		DMERR("Unrecognised thin pool target message or wrong argument count: %s (%u)",
+		      argv[0], argc);
+		return -EINVAL;
+	}
+
+	if (r)
+		DMWARN("%s message failed: %d", argv[0], r);
+	return r;
+
+bad_number:
+	DMERR("%s: bad number in message arguments", argv[0]);
+	return -EINVAL;
+}
+
+static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
+{
+	struct pool_stats sum = { 0 };
+	struct tsp_mc_stats cache = { 0 };
+	tsp_block_t nr, nr_free;
+	unsigned int sz = 0;
+	int cpu;
+
+	for_each_possible_cpu(cpu) {
+		sum.fast += per_cpu_ptr(pool->stats, cpu)->fast;
+		sum.deferred += per_cpu_ptr(pool->stats, cpu)->deferred;
+	}
+	if (tsp_pool_get_data_block_count(pool->pmd, &nr) ||
+	    tsp_pool_get_free_block_count(pool->pmd, &nr_free))
+		nr = nr_free = 0;
+	tsp_pool_cache_stats(pool->pmd, &cache);
+
+	DMEMIT("fast_ios %llu deferred_ios %llu cache_entries %llu cache_hits %llu "
+	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu",
+	       (unsigned long long)sum.fast, (unsigned long long)sum.deferred,
+	       (unsigned long long)cache.entries, (unsigned long long)cache.hits,
+	       (unsigned long long)cache.misses, (unsigned long long)cache.evictions,
+	       (unsigned long long)atomic64_read(&pool->commits),
+	       (unsigned long long)(nr - nr_free));
+	return 1;
+}
+
+static int pool_message(struct dm_target *ti, unsigned int argc, char **argv,
+			char *result, unsigned int maxlen)
+{
+	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
+	int r;
+
+	if (!argc)
+		return -EINVAL;
+	if (!strcasecmp(argv[0], "stats") && argc == 1)
+		return emit_stats(pool, result, maxlen);
+
+	if (pool_mode(pool) >= PM_READ_ONLY) {
+		DMERR("%s: unable to service pool target messages in READ_ONLY or FAIL mode",
+		      dm_device_name(pool->pool_md));
+		return -EOPNOTSUPP;
+	}
+
+	r = process_message(pool, argc, argv, result, maxlen);
+	if (!r)
+		(void)commit(pool);
+	return r;
+}
+
+static void emit_flags(struct pool_features *pf, char *result,
+		       unsigned int sz, unsigned int maxlen)
+{
+	unsigned int count = !pf->zero_new_blocks + !pf->discard_enabled +
+			     !pf->discard_passdown + (pf->mode == PM_READ_ONLY) +
+			     pf->error_if_no_space;
+
+	DMEMIT("%u ", count);
+	if (!pf->zero_new_blocks)
+		DMEMIT("skip_block_zeroing ");
+	if (!pf->discard_enabled)
+		DMEMIT("ignore_discard ");
+	if (!pf->discard_passdown)
+		DMEMIT("no_discard_passdown ");
+	if (pf->mode == PM_READ_ONLY)
+		DMEMIT("read_only ");
+	if (pf->error_if_no_space)
+		DMEMIT("error_if_no_space ");
+}
+
+static void pool_status(struct dm_target *ti, status_type_t type,
+			unsigned int status_flags, char *result,
+			unsigned int maxlen)
+{
+	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
+	tsp_block_t nr_meta, free_meta, nr_data, free_data, held;
+	u64 trans_id;
+	unsigned int sz = 0;
+	char buf[BDEVNAME_SIZE], buf2[BDEVNAME_SIZE];
+
+	switch (type) {
+	case STATUSTYPE_INFO:
+		if (pool_mode(pool) == PM_FAIL) {
+			DMEMIT("Fail");
+			break;
+		}
+		if (!(status_flags & STATUS_NOFLUSH_FLAG) && !dm_suspended(ti))
+			(void)commit(pool);
+
+		if (tsp_pool_get_metadata_transaction_id(pool->pmd, &trans_id) ||
+		    tsp_pool_get_free_metadata_block_count(pool->pmd, &free_meta) ||
+		    tsp_pool_get_metadata_dev_size(pool->pmd, &nr_meta) ||
+		    tsp_pool_get_free_block_count(pool->pmd, &free_data) ||
+		    tsp_pool_get_data_block_count(pool->pmd, &nr_data) ||
+		    tsp_pool_get_metadata_snap(pool->pmd, &held)) {
+			DMEMIT("Error");
+			break;
+		}
+
+		DMEMIT("%llu %llu/%llu %llu/%llu ", (unsigned long long)trans_id,
+		       (unsigned long long)(nr_meta - free_meta),
+		       (unsigned long long)nr_meta,
+		       (unsigned long long)(nr_data - free_data),
+		       (unsigned long long)nr_data);
+		if (held)
+			DMEMIT("%llu ", (unsigned long long)held);
+		else
+			DMEMIT("- ");
+		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE)
+			DMEMIT("out_of_data_space ");
+		else if (pool_mode(pool) >= PM_READ_ONLY)
+			DMEMIT("ro ");
+		else
+			DMEMIT("rw ");
+		if (!pool->pf.discard_enabled)
+			DMEMIT("ignore_discard ");
+		else if (pool->pf.discard_passdown)
+			DMEMIT("discard_passdown ");
+		else
+			DMEMIT("no_discard_passdown ");
+		if (pool->pf.error_if_no_space)
+			DMEMIT("error_if_no_space ");
+		else
+			DMEMIT("queue_if_no_space ");
+		if (tsp_pool_metadata_needs_check(pool->pmd))
+			DMEMIT("needs_check ");
+		else
+			DMEMIT("- ");
+		DMEMIT("%llu ", min(METADATA_LOW_WATER_BLOCKS, (unsigned long long)nr_meta / 4));
+		break;
+
+	case STATUSTYPE_TABLE:
+		DMEMIT("%s %s %lu %llu ",
+		       format_dev_t(buf, pt->metadata_dev->bdev->bd_dev),
+		       format_dev_t(buf2, pt->data_dev->bdev->bd_dev),
+		       (unsigned long)pool->sectors_per_block,
+		       (unsigned long long)pt->low_water_blocks);
+		emit_flags(&pt->requested_pf, result, sz, maxlen);
+		break;
+
+	default:
+		break;
+	}
+}
+
+/*
+ * Discards are unmapped by the pool whatever the data device supports.
+ * 6.1 reads max_discard_sectors; later kernels derive it from the
+ * hardware limit.
+ */
+static void set_discard_limits(struct pool *pool, struct queue_limits *limits)
+{
+	limits->discard_granularity = pool->sectors_per_block << SECTOR_SHIFT;
+	limits->max_hw_discard_sectors = pool->sectors_per_block * 1024;
+	limits->max_discard_sectors = limits->max_hw_discard_sectors;
+}
+
+static int pool_iterate_devices(struct dm_target *ti,
+				iterate_devices_callout_fn fn, void *data)
+{
+	struct pool_c *pt = ti->private;
+
+	return fn(ti, pt->data_dev, 0, ti->len, data);
+}
+
+static void pool_io_hints(struct dm_target *ti, struct queue_limits *limits)
+{
+	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
+
+	limits->io_min = pool->sectors_per_block << SECTOR_SHIFT;
+	limits->io_opt = pool->sectors_per_block << SECTOR_SHIFT;
+	if (pt->adjusted_pf.discard_enabled)
+		set_discard_limits(pool, limits);
+}
+
+static struct target_type pool_target = {
+	.name = "thin-scal-pool",
+	.features = DM_TARGET_SINGLETON | DM_TARGET_ALWAYS_WRITEABLE |
+		    DM_TARGET_IMMUTABLE,
+	.version = {1, 23, 0},
+	.module = THIS_MODULE,
+	.ctr = pool_ctr,
+	.dtr = pool_dtr,
+	.map = pool_map,
+	.postsuspend = pool_postsuspend,
+	.preresume = pool_preresume,
+	.resume = pool_resume,
+	.message = pool_message,
+	.status = pool_status,
+	.iterate_devices = pool_iterate_devices,
+	.io_hints = pool_io_hints,
+};
+
+/*----------------------------------------------------------------
+ * The thin target
+ *--------------------------------------------------------------*/
+static void thin_dtr(struct dm_target *ti)
+{
+	struct thin_c *tc = ti->private;
+
+	tsp_pool_close_thin_device(tc->td);
+	pool_put(tc->pool);
+	dm_put_device(ti, tc->pool_dev);
+	kfree(tc);
+}
+
+/* The pool whose mapped device is @bdev; takes a reference. */
+static struct pool *pool_of_bdev(struct block_device *bdev)
+{
+	struct pool *pool;
+
+	mutex_lock(&pool_table_mutex);
+	list_for_each_entry(pool, &pool_table, list) {
+		if (disk_devt(dm_disk(pool->pool_md)) == bdev->bd_dev) {
+			pool->ref_count++;
+			mutex_unlock(&pool_table_mutex);
+			return pool;
+		}
+	}
+	mutex_unlock(&pool_table_mutex);
+	return NULL;
+}
+
+/*
+ * thin-scalable <pool dev> <dev id> [<external origin dev>]
+ */
+static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
+{
+	struct thin_c *tc;
+	unsigned long long dev_id;
+	int r;
+
+	if (argc != 2 && argc != 3) {
+		ti->error = "Invalid argument count";
+		return -EINVAL;
+	}
+	if (argc == 3) {
+		ti->error = "External origin devices are not supported yet";
+		return -EINVAL;
+	}
+	if (kstrtoull(argv[1], 10, &dev_id) || dev_id > TSP_THIN_MAX_DEV_ID) {
+		ti->error = "Invalid device id";
+		return -EINVAL;
+	}
+
+	tc = kzalloc(sizeof(*tc), GFP_KERNEL);
+	if (!tc) {
+		ti->error = "Out of memory";
+		return -ENOMEM;
+	}
+	tc->ti = ti;
+	tc->dev_id = dev_id;
+
+	r = dm_get_device(ti, argv[0], dm_table_get_mode(ti->table), &tc->pool_dev);
+	if (r) {
+		ti->error = "Error opening pool device";
+		goto bad_free;
+	}
+
+	tc->pool = pool_of_bdev(tc->pool_dev->bdev);
+	if (!tc->pool) {
+		ti->error = "Couldn't find pool object";
+		r = -EINVAL;
+		goto bad_pool_dev;
+	}
+	if (pool_mode(tc->pool) == PM_FAIL) {
+		ti->error = "Couldn't open thin device, Pool is in fail mode";
+		r = -EINVAL;
+		goto bad_pool;
+	}
+
+	r = tsp_pool_open_thin_device(tc->pool->pmd, dev_id, &tc->td);
+	if (r) {
+		ti->error = "Couldn't open thin internal device";
+		goto bad_pool;
+	}
+
+	r = dm_set_target_max_io_len(ti, tc->pool->sectors_per_block);
+	if (r)
+		goto bad_td;
+
+	ti->private = tc;
+	ti->num_flush_bios = 1;
+	ti->flush_supported = true;
+	ti->per_io_data_size = sizeof(struct thin_bio);
+	/* ignore_discard is applied by the worker: tables may be reloaded. */
+	ti->discards_supported = true;
+	ti->num_discard_bios = 1;
+	return 0;
+
+bad_td:
+	tsp_pool_close_thin_device(tc->td);
+bad_pool:
+	pool_put(tc->pool);
+bad_pool_dev:
+	dm_put_device(ti, tc->pool_dev);
+bad_free:
+	kfree(tc);
+	return r;
+}
+
+/*
+ * The map path.  The fast path remaps reads and plain writes to blocks
+ * this device owns alone without taking any lock; everything else is
+ * deferred to the worker.
+ */
+static int thin_map(struct dm_target *ti, struct bio *bio)
+{
+	struct thin_c *tc = ti->private;
+	struct pool *pool = tc->pool;
+	struct thin_bio *tb = thin_bio(bio);
+	struct tsp_thin_lookup_result result;
+
+	tb->tc = tc;
+	tb->epoch = -1;
+	bio->bi_iter.bi_sector = dm_target_offset(ti, bio->bi_iter.bi_sector);
+
+	if (bio_has_data(bio) && !bio_needs_commit(bio) &&
+	    bio_op(bio) != REQ_OP_DISCARD && pool_mode(pool) < PM_FAIL) {
+		rcu_read_lock();
+		if (!tsp_thin_find_block_fast(tc->td, bio_block(pool, bio), &result) &&
+		    (bio_data_dir(bio) == READ || !result.shared)) {
+			epoch_enter(pool, bio);
+			rcu_read_unlock();
+			remap(pool, bio, result.block);
+			this_cpu_inc(pool->stats->fast);
+			return DM_MAPIO_REMAPPED;
+		}
+		rcu_read_unlock();
+	}
+
+	defer_bio(pool, bio);
+	return DM_MAPIO_SUBMITTED;
+}
+
+static int thin_endio(struct dm_target *ti, struct bio *bio, blk_status_t *err)
+{
+	struct thin_c *tc = ti->private;
+
+	epoch_leave(tc->pool, bio);
+	return DM_ENDIO_DONE;
+}
+
+static void thin_presuspend(struct dm_target *ti)
+{
+	struct thin_c *tc = ti->private;
+	struct pool *pool = tc->pool;
+	struct bio_list bios, keep;
+	struct bio *bio;
+
+	if (!dm_noflush_suspending(ti))
+		return;
+
+	/* Hand queued out-of-space bios of this device back to dm core. */
+	bio_list_init(&keep);
+	spin_lock_irq(&pool->lock);
+	bios = pool->retry_list;
+	bio_list_init(&pool->retry_list);
+	while ((bio = bio_list_pop(&bios))) {
+		if (thin_bio(bio)->tc == tc) {
+			bio->bi_status = BLK_STS_DM_REQUEUE;
+			bio_list_add(&keep, bio);
+		} else {
+			bio_list_add(&pool->retry_list, bio);
+		}
+	}
+	spin_unlock_irq(&pool->lock);
+	while ((bio = bio_list_pop(&keep)))
+		bio_endio(bio);
+}
+
+static void thin_postsuspend(struct dm_target *ti)
+{
+	struct thin_c *tc = ti->private;
+
+	flush_workqueue(tc->pool->wq);
+}
+
+static void thin_status(struct dm_target *ti, status_type_t type,
+			unsigned int status_flags, char *result,
+			unsigned int maxlen)
+{
+	struct thin_c *tc = ti->private;
+	struct pool *pool = tc->pool;
+	tsp_block_t mapped, highest;
+	unsigned int sz = 0;
+	char buf[BDEVNAME_SIZE];
+	int r;
+
+	if (pool_mode(pool) == PM_FAIL) {
+		DMEMIT("Fail");
+		return;
+	}
+
+	switch (type) {
+	case STATUSTYPE_INFO:
+		r = tsp_thin_get_mapped_count(tc->td, &mapped);
+		if (r) {
+			DMEMIT("Error");
+			break;
+		}
+		r = tsp_thin_get_highest_mapped_block(tc->td, &highest);
+		if (r && r != -ENODATA) {
+			DMEMIT("Error");
+			break;
+		}
+		DMEMIT("%llu ", (unsigned long long)(mapped * pool->sectors_per_block));
+		if (!r)
+			DMEMIT("%llu", (unsigned long long)((highest + 1) *
+					pool->sectors_per_block - 1));
+		else
+			DMEMIT("-");
+		break;
+
+	case STATUSTYPE_TABLE:
+		DMEMIT("%s %lu", format_dev_t(buf, tc->pool_dev->bdev->bd_dev),
+		       (unsigned long)tc->dev_id);
+		break;
+
+	default:
+		break;
+	}
+}
+
+static int thin_iterate_devices(struct dm_target *ti,
+				iterate_devices_callout_fn fn, void *data)
+{
+	struct thin_c *tc = ti->private;
+	struct pool *pool = tc->pool;
+	sector_t blocks;
+
+	if (!pool->ti)
+		return 0;	/* the pool is not resumed yet */
+	blocks = pool->ti->len;
+	(void)sector_div(blocks, pool->sectors_per_block);
+	if (!blocks)
+		return 0;
+	return fn(ti, tc->pool_dev, 0, blocks * pool->sectors_per_block, data);
+}
+
+static void thin_io_hints(struct dm_target *ti, struct queue_limits *limits)
+{
+	struct thin_c *tc = ti->private;
+	struct pool *pool = tc->pool;
+
+	if (pool->pf.discard_enabled)
+		set_discard_limits(pool, limits);
+}
+
+static struct target_type thin_target = {
+	.name = "thin-scalable",
+	.version = {1, 23, 0},
+	.module	= THIS_MODULE,
+	.ctr = thin_ctr,
+	.dtr = thin_dtr,
+	.map = thin_map,
+	.end_io = thin_endio,
+	.presuspend = thin_presuspend,
+	.postsuspend = thin_postsuspend,
+	.status = thin_status,
+	.iterate_devices = thin_iterate_devices,
+	.io_hints = thin_io_hints,
+};
+
 static int __init tsp_init(void)
 {
+	int r;
+
+	job_cache = KMEM_CACHE(job, 0);
+	if (!job_cache)
+		return -ENOMEM;
+
+	r = dm_register_target(&pool_target);
+	if (r)
+		goto bad_cache;
+	r = dm_register_target(&thin_target);
+	if (r)
+		goto bad_pool;
 	return 0;
+
+bad_pool:
+	dm_unregister_target(&pool_target);
+bad_cache:
+	kmem_cache_destroy(job_cache);
+	return r;
 }
 
 static void __exit tsp_exit(void)
 {
+	dm_unregister_target(&thin_target);
+	dm_unregister_target(&pool_target);
+	kmem_cache_destroy(job_cache);
 }
 
 module_init(tsp_init);
