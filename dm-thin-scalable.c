@@ -985,7 +985,7 @@ static void pool_destroy(struct pool *pool)
 static struct pool *pool_create(struct mapped_device *pool_md,
 				struct block_device *metadata_bdev,
 				tsp_block_t nr_data_blocks,
-				u32 sectors_per_block, char **error)
+				u32 sectors_per_block, bool format, char **error)
 {
 	struct pool *pool;
 	int r, cpu;
@@ -997,7 +997,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	}
 
 	r = tsp_pool_metadata_open(metadata_bdev, sectors_per_block,
-				   nr_data_blocks, true, &pool->pmd);
+				   nr_data_blocks, format, &pool->pmd);
 	if (r) {
 		*error = "Error opening metadata block device";
 		kfree(pool);
@@ -1065,7 +1065,7 @@ bad:
 static struct pool *pool_find(struct mapped_device *pool_md,
 			      struct block_device *metadata_bdev,
 			      tsp_block_t nr_data_blocks, u32 sectors_per_block,
-			      char **error)
+			      bool format, char **error)
 {
 	struct pool *pool;
 
@@ -1090,7 +1090,7 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 		}
 	}
 	return pool_create(pool_md, metadata_bdev, nr_data_blocks,
-			   sectors_per_block, error);
+			   sectors_per_block, format, error);
 }
 
 static void pool_put(struct pool *pool)
@@ -1170,7 +1170,6 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	unsigned long long low_water;
 	struct pool_c *pt;
 	struct pool *pool;
-	char dummy;
 	int r;
 
 	if (argc < 4) {
@@ -1209,7 +1208,7 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		r = -EINVAL;
 		goto out_data;
 	}
-	if (sscanf(argv[3], "%llu%c", &low_water, &dummy) != 1) {
+	if (kstrtoull(argv[3], 10, &low_water)) {
 		ti->error = "Invalid low water mark";
 		r = -EINVAL;
 		goto out_data;
@@ -1227,8 +1226,10 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		goto out_data;
 	}
 
+	/* A read-only pool never formats its metadata device. */
 	pool = pool_find(dm_table_get_md(ti->table), metadata_dev->bdev,
-			 div_u64(ti->len, block_size), block_size, &ti->error);
+			 div_u64(ti->len, block_size), block_size,
+			 pf.mode != PM_READ_ONLY, &ti->error);
 	if (IS_ERR(pool)) {
 		r = PTR_ERR(pool);
 		goto out_free;

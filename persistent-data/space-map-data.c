@@ -195,7 +195,7 @@ static int load_index_entry(void *context, u64 key, void *value)
 	}
 	ie = &sm->index[key];
 	tsp_index_entry_unpack(value, ie);
-	if (!ie->blocknr || ie->nr_free > bitmap_entries(sm->nr_blocks, key)) {
+	if (!ie->blocknr || ie->nr_free > TSP_ENTRIES_PER_BITMAP) {
 		DMERR("data space map index entry %llu is corrupt",
 		      (unsigned long long)key);
 		return -EILSEQ;
