@@ -128,6 +128,7 @@ struct pool {
 	struct list_head list;			/* pool_table */
 	struct mapped_device *pool_md;
 	dev_t metadata_devt;
+	dev_t data_devt;
 	int ref_count;				/* pool_table_mutex */
 
 	struct tsp_pool_metadata *pmd;
@@ -1061,9 +1062,14 @@ bad:
 	return ERR_PTR(r);
 }
 
-/* Find or create the pool of @pool_md.  Caller holds pool_table_mutex. */
+/*
+ * Find or create the pool of @pool_md.  As with dm-thin, a pool keeps its
+ * metadata and data devices and its block size across table reloads, and
+ * no two pools share a device.  Caller holds pool_table_mutex.
+ */
 static struct pool *pool_find(struct mapped_device *pool_md,
 			      struct block_device *metadata_bdev,
+			      struct block_device *data_bdev,
 			      tsp_block_t nr_data_blocks, u32 sectors_per_block,
 			      bool format, char **error)
 {
@@ -1071,26 +1077,35 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 
 	lockdep_assert_held(&pool_table_mutex);
 	list_for_each_entry(pool, &pool_table, list) {
-		if (pool->metadata_devt == metadata_bdev->bd_dev &&
-		    pool->pool_md != pool_md) {
+		bool same_md = pool->pool_md == pool_md;
+
+		if (!same_md && pool->metadata_devt == metadata_bdev->bd_dev) {
 			*error = "metadata device already in use by a pool";
 			return ERR_PTR(-EBUSY);
 		}
-		if (pool->pool_md == pool_md) {
-			if (pool->metadata_devt != metadata_bdev->bd_dev) {
-				*error = "different pool cannot replace a pool";
-				return ERR_PTR(-EINVAL);
-			}
-			if (pool->sectors_per_block != sectors_per_block) {
-				*error = "cannot change the data block size of a pool";
-				return ERR_PTR(-EINVAL);
-			}
-			pool->ref_count++;
-			return pool;
+		if (!same_md && pool->data_devt == data_bdev->bd_dev) {
+			*error = "data device already in use by a pool";
+			return ERR_PTR(-EBUSY);
 		}
+		if (!same_md)
+			continue;
+		if (pool->metadata_devt != metadata_bdev->bd_dev ||
+		    pool->data_devt != data_bdev->bd_dev) {
+			*error = "different pool cannot replace a pool";
+			return ERR_PTR(-EINVAL);
+		}
+		if (pool->sectors_per_block != sectors_per_block) {
+			*error = "cannot change the data block size of a pool";
+			return ERR_PTR(-EINVAL);
+		}
+		pool->ref_count++;
+		return pool;
 	}
-	return pool_create(pool_md, metadata_bdev, nr_data_blocks,
+	pool = pool_create(pool_md, metadata_bdev, nr_data_blocks,
 			   sectors_per_block, format, error);
+	if (!IS_ERR(pool))
+		pool->data_devt = data_bdev->bd_dev;
+	return pool;
 }
 
 static void pool_put(struct pool *pool)
@@ -1228,7 +1243,7 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 
 	/* A read-only pool never formats its metadata device. */
 	pool = pool_find(dm_table_get_md(ti->table), metadata_dev->bdev,
-			 div_u64(ti->len, block_size), block_size,
+			 data_dev->bdev, div_u64(ti->len, block_size), block_size,
 			 pf.mode != PM_READ_ONLY, &ti->error);
 	if (IS_ERR(pool)) {
 		r = PTR_ERR(pool);
