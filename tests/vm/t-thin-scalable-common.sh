@@ -1,0 +1,130 @@
+#!/bin/bash
+# Helpers shared by the t-thin-scalable*.sh test files, sourced after
+# lib.sh. Holds no tests: run as a test file (tests/vm/suite.sh runs every
+# t-*.sh) it does nothing.
+# shellcheck shell=bash
+[[ ${BASH_SOURCE[0]} != "$0" ]] || exit 0
+
+# The targets under test. TSP_POOL_TARGET=thin-pool TSP_THIN_TARGET=thin
+# run the same tests against the stock dm-thin: the baseline.
+# (The pool target is thin-scal-pool: dm ioctls carry target names in 16
+# bytes, so "thin-scalable-pool" cannot be named in a table line.)
+POOL_T=${TSP_POOL_TARGET:-thin-scal-pool}
+THIN_T=${TSP_THIN_TARGET:-thin-scalable}
+if [ "$POOL_T" = thin-pool ]; then
+	TSS_MODULE=dm_thin_pool
+else
+	TSS_MODULE=dm_thin_scalable
+fi
+NO_SPACE_TIMEOUT=/sys/module/$TSS_MODULE/parameters/no_space_timeout
+META_MIB=64
+LOW_WATER=16
+
+# TSS_TRACE=1: trace every command with a timestamp (where does the time go).
+if [ -n "${TSS_TRACE:-}" ]; then
+	PS4='+ ${EPOCHREALTIME} '
+	set -x
+fi
+
+# lib.sh's checksums, with md5 instead of sha256: three times cheaper under
+# TCG, and these only compare data with data.
+dev_sha() { # <dev> <MiB offset> <MiB>
+	dd if="$1" bs=1M skip="$2" count="$3" iflag=direct status=none | md5sum | cut -d' ' -f1
+}
+file_sha() {
+	md5sum <"$1" | cut -d' ' -f1
+}
+zero_sha() { # <MiB>
+	head -c "$(($1 * 1024 * 1024))" /dev/zero | md5sum | cut -d' ' -f1
+}
+
+# The pool target must be registered: a test skips only if the VM was
+# started without our module (run-suite with TSP_MODULE=none).
+need_targets() {
+	dmsetup targets | grep -q "^$POOL_T " && dmsetup targets | grep -q "^$THIN_T " && return 0
+	[ -n "${VM_MODULE:-}" ] || [ "$POOL_T" = thin-pool ] ||
+		skip "targets $POOL_T/$THIN_T not registered (no module loaded)"
+	fail "targets $POOL_T/$THIN_T not registered: $(dmsetup targets | tr '\n' ' ')"
+}
+
+ours() { [ "$POOL_T" != thin-pool ]; }
+
+# major:minor of a block device, as table lines show it.
+devno() {
+	printf '%d:%d\n' "0x$(stat -L -c %t "$1")" "0x$(stat -L -c %T "$1")"
+}
+
+# make_pool <data MiB> <#features> [<feature>...]: RAM disks ram0 (64 MiB
+# metadata slice tss-meta, first 4 KiB zeroed) and ram1 (data slice
+# tss-data of <data MiB>), and the pool tss-pool on them, 64 KiB blocks.
+# $TSS_RAM_DISKS (default 2) RAM disks of 512 MiB are made.
+make_pool() {
+	local mib=$1
+	shift
+	brd_setup "${TSS_RAM_DISKS:-2}" 512
+	dm_create tss-meta "0 $((META_MIB * 2048)) linear /dev/ram0 0"
+	dd if=/dev/zero of=/dev/mapper/tss-meta bs=4096 count=1 oflag=direct status=none
+	dm_create tss-data "0 $((mib * 2048)) linear /dev/ram1 0"
+	dm_create tss-pool "0 $((mib * 2048)) $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER $*"
+}
+
+# reload_pool <data MiB> <#features> [<feature>...]: a new table for tss-pool.
+reload_pool() {
+	local mib=$1
+	shift
+	dmsetup reload tss-pool --table "0 $((mib * 2048)) $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER $*" ||
+		fail "reloading the pool failed"
+	dmsetup resume tss-pool || fail "resuming the reloaded pool failed"
+}
+
+# grow_pool <data MiB> <#features> [<feature>...]: grow tss-data, then
+# reload the pool with the new length.
+grow_pool() {
+	local mib=$1
+	dmsetup reload tss-data --table "0 $((mib * 2048)) linear /dev/ram1 0"
+	dmsetup resume tss-data
+	reload_pool "$@"
+}
+
+check_meta() { # [device]: thin_check clean
+	local dev=${1:-/dev/mapper/tss-meta}
+	thin_check "$dev" >thin_check.log 2>&1 || { cat thin_check.log; fail "thin_check $dev found problems"; }
+}
+
+# Remove tss-pool, thin_check its metadata, remove the slices.
+teardown_pool() {
+	dm_remove tss-pool
+	check_meta
+	dm_remove tss-data
+	dm_remove tss-meta
+}
+
+# The pool's status line has dm-thin's format.
+check_pool_status() {
+	local s
+	s=$(dm_status "$1")
+	[[ $s =~ ^[0-9]+\ [0-9]+/[0-9]+\ [0-9]+/[0-9]+\ (-|[0-9]+)\ (rw|ro|out_of_data_space)\ (discard_passdown|no_discard_passdown|ignore_discard)\ (queue_if_no_space|error_if_no_space)\ (needs_check|-)\ [0-9]+\ ?$ ]] ||
+		fail "status of pool $1 does not parse: '$s'"
+}
+
+pool_used() { # used data blocks
+	dm_status "$1" | awk '{ split($3, a, "/"); print a[1] }'
+}
+
+# part <file> <byte offset> <bytes>
+part() {
+	dd if="$1" bs=64k skip="$2" count="$3" iflag=skip_bytes,count_bytes status=none
+}
+
+# part_sha <file> <MiB offset> <MiB>
+part_sha() {
+	dd if="$1" bs=1M skip="$2" count="$3" status=none | md5sum | cut -d' ' -f1
+}
+
+# run_fio <name> <fio options...>: direct libaio job; fails with its log.
+run_fio() {
+	local name=$1
+	shift
+	fio --name="$name" --direct=1 --ioengine=libaio --eta=never --output="$name.log" "$@" ||
+		{ cat "$name.log"; fail "fio $name failed"; }
+}

@@ -1,0 +1,606 @@
+#!/bin/bash
+# VM tests of our targets, thin-scal-pool and thin-scalable: basic IO
+# and status lines, snapshots, discard and isolation, flush durability,
+# pool messages, out of data space, concurrent IO with a snapshot.
+#
+# TSP_POOL_TARGET=thin-pool TSP_THIN_TARGET=thin run the same tests against
+# the stock dm-thin (scripts/vm-run --env ...): the baseline that proves a
+# test's expectations are dm-thin's.
+# shellcheck source=tests/vm/lib.sh
+. "$(dirname "$0")/lib.sh"
+# shellcheck source=tests/vm/t-thin-scalable-common.sh
+. "$(dirname "$0")/t-thin-scalable-common.sh"
+
+# --- 1. basic IO, status and table lines ----------------------------------
+
+test_basic() {
+	local thin=/dev/mapper/tss-thin0 exp s mm dm pm hi
+	need_targets
+	make_pool 512 0
+	check_pool_status tss-pool
+	s=$(dm_status tss-pool)
+	log "new pool: $s"
+	# trans id 0, 64 MiB = 16384 metadata blocks, 8192 data blocks, none
+	# used, no held root, rw, queue, no needs_check, metadata low water
+	# min(1024, 16384 / 4).
+	[[ $s =~ ^0\ [0-9]+/16384\ 0/8192\ -\ rw\ (discard_passdown|no_discard_passdown)\ queue_if_no_space\ -\ 1024\ ?$ ]] ||
+		fail "status of a new pool: '$s'"
+	mm=$(devno /dev/mapper/tss-meta)
+	dm=$(devno /dev/mapper/tss-data)
+	assert_eq "0 1048576 $POOL_T $mm $dm 128 $LOW_WATER 0 " "$(dmsetup table tss-pool)" "pool table line"
+
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 $((256 * 2048)) $THIN_T /dev/mapper/tss-pool 0"
+	pm=$(devno /dev/mapper/tss-pool)
+	assert_eq "0 524288 $THIN_T $pm 0" "$(dmsetup table tss-thin0)" "thin table line"
+	assert_eq "0 -" "$(dm_status tss-thin0)" "status of a new thin device"
+
+	# A new thin device reads as zeroes and reading maps nothing.
+	assert_eq "$(zero_sha 16)" "$(dev_sha $thin 0 16)" "new thin device reads zeroes"
+	assert_eq 0 "$(pool_used tss-pool)" "data blocks used after reads"
+
+	# 32 MiB of random data at 0.
+	head -c 32M /dev/urandom >pat1
+	write_file pat1 $thin 0
+	assert_eq "$(file_sha pat1)" "$(dev_sha $thin 0 32)" "pattern read back"
+	exp=512
+	assert_eq $exp "$(pool_used tss-pool)" "data blocks used after 32 MiB"
+	assert_eq "$((exp * 128)) $((exp * 128 - 1))" "$(dm_status tss-thin0)" "thin status after 32 MiB"
+
+	# 1 MiB at 200 MiB: the highest mapped sector moves.
+	head -c 1M /dev/urandom >pat2
+	write_file pat2 $thin 200
+	exp=$((exp + 16))
+	hi=$((201 * 2048 - 1))
+	assert_eq "$((exp * 128)) $hi" "$(dm_status tss-thin0)" "thin status after writing at 200 MiB"
+
+	# A 4 KiB write in the middle of an unprovisioned block: the rest of
+	# the block reads as zeroes.
+	head -c 4096 /dev/urandom >pat3
+	dd if=pat3 of=$thin bs=4096 seek=$((100 * 256 + 2)) oflag=direct conv=notrunc,fsync status=none
+	exp=$((exp + 1))
+	{ head -c 8192 /dev/zero; cat pat3; head -c $((65536 - 12288)) /dev/zero; } >blk3
+	assert_eq "$(file_sha blk3)" \
+		"$(dd if=$thin bs=64k skip=1600 count=1 iflag=direct status=none | md5sum | cut -d' ' -f1)" \
+		"a partly written new block"
+
+	# fio random 4k writes with crc32c verification over 64..96 MiB.
+	run_fio verify1 --filename=$thin --offset=64M --size=32M --rw=randwrite --bs=4k \
+		--iodepth=16 --verify=crc32c --verify_fatal=1 --do_verify=1
+	exp=$((exp + 512))
+	assert_eq $exp "$(pool_used tss-pool)" "data blocks used after fio"
+
+	# Unprovisioned ranges still read as zeroes, and mapping nothing.
+	assert_eq "$(zero_sha 16)" "$(dev_sha $thin 40 16)" "zeroes between the patterns"
+	assert_eq "$(zero_sha 8)" "$(dev_sha $thin 150 8)" "zeroes at 150..158 MiB"
+	assert_eq $exp "$(pool_used tss-pool)" "data blocks used after reading holes"
+	assert_eq "$(file_sha pat1)" "$(dev_sha $thin 0 32)" "pattern 1 after everything"
+	assert_eq "$(file_sha pat2)" "$(dev_sha $thin 200 1)" "pattern 2 after everything"
+
+	# Reopen the thin device: the same data.
+	dm_remove tss-thin0
+	dm_create tss-thin0 "0 $((256 * 2048)) $THIN_T /dev/mapper/tss-pool 0"
+	assert_eq "$(file_sha pat1)" "$(dev_sha $thin 0 32)" "pattern 1 after reopening"
+	assert_eq "$((exp * 128)) $hi" "$(dm_status tss-thin0)" "thin status after reopening"
+	check_pool_status tss-pool
+
+	dm_remove tss-thin0
+	dm_remove tss-pool
+	check_meta
+	thin_dump /dev/mapper/tss-meta >dump.xml
+	assert_eq 1 "$(grep -c '<device ' dump.xml)" "devices in thin_dump"
+	grep -q "<device dev_id=\"0\" mapped_blocks=\"$exp\"" dump.xml ||
+		fail "thin_dump: device 0 should map $exp blocks: $(grep '<device ' dump.xml)"
+	# And the pool opens again with the same counts.
+	dm_create tss-pool "0 1048576 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	assert_eq "$exp" "$(pool_used tss-pool)" "data blocks used after reopening the pool"
+	dm_create tss-thin0 "0 $((256 * 2048)) $THIN_T /dev/mapper/tss-pool 0"
+	assert_eq "$(file_sha pat1)" "$(dev_sha $thin 0 32)" "pattern 1 after reopening the pool"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
+# --- 3. snapshots -------------------------------------------------------
+
+test_snapshots() {
+	local o=/dev/mapper/tss-thin0 s1=/dev/mapper/tss-snap1 s2=/dev/mapper/tss-snap2 used
+	need_targets
+	make_pool 512 0
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 16M /dev/urandom >a
+	write_file a $o 0
+	assert_eq 256 "$(pool_used tss-pool)" "blocks after writing the origin"
+
+	# Snapshot of the suspended origin shares every block.
+	dmsetup suspend tss-thin0
+	dm_message tss-pool "create_snap 1 0"
+	dmsetup resume tss-thin0
+	dm_create tss-snap1 "0 131072 $THIN_T /dev/mapper/tss-pool 1"
+	assert_eq "$(file_sha a)" "$(dev_sha $s1 0 16)" "snapshot reads the origin's data"
+	assert_eq 256 "$(pool_used tss-pool)" "a snapshot shares its blocks"
+	assert_eq "$((256 * 128)) $((256 * 128 - 1))" "$(dm_status tss-snap1)" "snapshot's thin status"
+
+	# Diverge: origin 0..8 MiB, snapshot 8..12 MiB.
+	head -c 8M /dev/urandom >b
+	head -c 4M /dev/urandom >c
+	write_file b $o 0
+	write_file c $s1 8
+	assert_eq "$(file_sha b)" "$(dev_sha $o 0 8)" "origin's new data"
+	assert_eq "$(part_sha a 8 8)" "$(dev_sha $o 8 8)" "origin's old data"
+	assert_eq "$(part_sha a 0 8)" "$(dev_sha $s1 0 8)" "snapshot keeps the old data"
+	assert_eq "$(file_sha c)" "$(dev_sha $s1 8 4)" "snapshot's new data"
+	assert_eq "$(part_sha a 12 4)" "$(dev_sha $s1 12 4)" "snapshot's untouched tail"
+	used=$((256 + 128 + 64))
+	assert_eq $used "$(pool_used tss-pool)" "blocks after breaking sharing"
+
+	# A partial-block write to a shared block copies the rest of it.
+	head -c 4096 /dev/urandom >d
+	dd if=d of=$o bs=4096 seek=$((12 * 256 + 5)) oflag=direct conv=notrunc,fsync status=none
+	used=$((used + 1))
+	{ part a $((12 * 1024 * 1024)) 20480; cat d; part a $((12 * 1024 * 1024 + 24576)) $((65536 - 24576)); } >blk
+	assert_eq "$(file_sha blk)" \
+		"$(dd if=$o bs=64k skip=192 count=1 iflag=direct status=none | md5sum | cut -d' ' -f1)" \
+		"a shared block after a 4k write"
+	assert_eq "$(part_sha a 12 1)" "$(dev_sha $s1 12 1)" "the snapshot's copy of it"
+	assert_eq $used "$(pool_used tss-pool)" "blocks after a partial write"
+
+	# Snapshot of the snapshot.
+	dmsetup suspend tss-snap1
+	dm_message tss-pool "create_snap 2 1"
+	dmsetup resume tss-snap1
+	dm_create tss-snap2 "0 131072 $THIN_T /dev/mapper/tss-pool 2"
+	local s1sha
+	s1sha=$(dev_sha $s1 0 16)
+	assert_eq "$s1sha" "$(dev_sha $s2 0 16)" "snapshot of snapshot reads the same"
+	head -c 2M /dev/urandom >e
+	write_file e $s2 2
+	assert_eq "$s1sha" "$(dev_sha $s1 0 16)" "snapshot 1 after writing snapshot 2"
+	assert_eq "$(file_sha e)" "$(dev_sha $s2 2 2)" "snapshot 2's new data"
+	used=$((used + 32))
+	assert_eq $used "$(pool_used tss-pool)" "blocks after writing snapshot 2"
+
+	# Delete snapshot 1 (the origin of snapshot 2): snapshot 2 is intact,
+	# and the one range only snapshot 1 held goes: a's blocks 32..63,
+	# which snapshot 2 overwrote with e.
+	dm_remove tss-snap1
+	dm_message tss-pool "delete 1"
+	used=$((used - 32))
+	assert_eq $used "$(pool_used tss-pool)" "blocks after deleting snapshot 1"
+	assert_eq "$(part_sha a 0 2)" "$(dev_sha $s2 0 2)" "snapshot 2 after deleting 1 (0..2)"
+	assert_eq "$(file_sha e)" "$(dev_sha $s2 2 2)" "snapshot 2 after deleting 1 (2..4)"
+	assert_eq "$(part_sha a 4 4)" "$(dev_sha $s2 4 4)" "snapshot 2 after deleting 1 (4..8)"
+	assert_eq "$(file_sha c)" "$(dev_sha $s2 8 4)" "snapshot 2 after deleting 1 (8..12)"
+	assert_eq "$(part_sha a 12 4)" "$(dev_sha $s2 12 4)" "snapshot 2 after deleting 1 (12..16)"
+	# Delete snapshot 2: frees what only it held: a's blocks 0..31 and
+	# 64..127 (the origin has b there), e (32), c (64) and a's block 192
+	# (the origin has its own copy since the 4k write).
+	dm_remove tss-snap2
+	dm_message tss-pool "delete 2"
+	used=$((used - 32 - 64 - 32 - 64 - 1))
+	assert_eq 256 $used "blocks the origin maps"
+	assert_eq $used "$(pool_used tss-pool)" "blocks after deleting snapshot 2"
+	assert_eq "$(file_sha b)" "$(dev_sha $o 0 8)" "origin after deleting its snapshots"
+	dm_remove tss-thin0
+	teardown_pool
+	# After teardown_pool's thin_check: the pool held only device 0.
+}
+
+# --- 4. discard -----------------------------------------------------------
+
+test_discard() {
+	local t=/dev/mapper/tss-thin0
+	need_targets
+	make_pool 512 0
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 16M /dev/urandom >a
+	write_file a $t 0
+	assert_eq 256 "$(pool_used tss-pool)" "blocks after 16 MiB"
+
+	blkdiscard -o $((4 << 20)) -l $((8 << 20)) $t
+	assert_eq "$(zero_sha 8)" "$(dev_sha $t 4 8)" "discarded range reads zeroes"
+	assert_eq "$(part_sha a 0 4)" "$(dev_sha $t 0 4)" "data before the discarded range"
+	assert_eq "$(part_sha a 12 4)" "$(dev_sha $t 12 4)" "data after the discarded range"
+	assert_eq 128 "$(pool_used tss-pool)" "blocks after discarding 8 MiB"
+	assert_eq "$((128 * 128))" "$(dm_status tss-thin0 | cut -d' ' -f1)" "mapped sectors after the discard"
+
+	# A discard not aligned to blocks unmaps only the blocks inside it:
+	# 12M+4K .. 16M-4K holds blocks 193..254.
+	blkdiscard -o $(((12 << 20) + 4096)) -l $(((4 << 20) - 8192)) $t
+	assert_eq 66 "$(pool_used tss-pool)" "blocks after an unaligned discard"
+	assert_eq "$(part a $((12 << 20)) 4096 | md5sum | cut -d' ' -f1)" \
+		"$(dd if=$t bs=4096 skip=$((12 * 256)) count=1 iflag=direct status=none | md5sum | cut -d' ' -f1)" \
+		"the 4k before an unaligned discard"
+	assert_eq "$(part a $(((16 << 20) - 4096)) 4096 | md5sum | cut -d' ' -f1)" \
+		"$(dd if=$t bs=4096 skip=$((16 * 256 - 1)) count=1 iflag=direct status=none | md5sum | cut -d' ' -f1)" \
+		"the 4k after an unaligned discard"
+	assert_eq "$(zero_sha 2)" "$(dev_sha $t 13 2)" "blocks inside the unaligned discard"
+
+	# Rewrite the discarded range: provisioned again, reads what we wrote.
+	head -c 8M /dev/urandom >b
+	write_file b $t 4
+	assert_eq "$(file_sha b)" "$(dev_sha $t 4 8)" "rewritten range"
+	assert_eq 194 "$(pool_used tss-pool)" "blocks after rewriting"
+	blkdiscard $t
+	assert_eq 0 "$(pool_used tss-pool)" "blocks after discarding everything"
+	assert_eq "0 -" "$(dm_status tss-thin0)" "thin status after discarding everything"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
+# Isolation: blocks discarded from one device and provisioned again for
+# another read as zeroes there. A full 256-block pool forces the reuse; no
+# discard passdown, so the old data is still on the data device.
+#
+# The blocks a discard frees are free after the next commit: the first
+# write after the discard finds the pool out of data space, and (in queue
+# mode) waits for that commit, at most a second away (dm-thin: commit()
+# -> check_for_data_space() -> write mode, requeue). A short
+# no_space_timeout makes a pool that does not come back fail the test.
+test_discard_isolation() {
+	local a=/dev/mapper/tss-a b=/dev/mapper/tss-b i old_timeout
+	need_targets
+	old_timeout=$(cat "$NO_SPACE_TIMEOUT")
+	# shellcheck disable=SC2064
+	trap "echo $old_timeout >$NO_SPACE_TIMEOUT" EXIT
+	echo 10 >"$NO_SPACE_TIMEOUT"
+	make_pool 16 1 no_discard_passdown
+	dm_message tss-pool "create_thin 0"
+	dm_message tss-pool "create_thin 1"
+	dm_create tss-a "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	dm_create tss-b "0 65536 $THIN_T /dev/mapper/tss-pool 1"
+	head -c 16M /dev/urandom >pa
+	write_file pa $a 0
+	assert_eq "256/256" "$(dm_status tss-pool | cut -d' ' -f3)" "a full pool"
+
+	# Discard half of A, and at once (no status, which would commit)
+	# write 4 KiB into each of 128 blocks of B (fio: 4k written, 60k
+	# skipped), verified by fio.
+	log "before the discard: $(dm_status tss-pool)"
+	blkdiscard -o 0 -l $((8 << 20)) $a
+	run_fio holes --filename=$b --rw=write:60k --bs=4k --size=8M \
+		--verify=crc32c --verify_fatal=1 --do_verify=1
+	sync
+	assert_eq "256/256" "$(dm_status tss-pool | cut -d' ' -f3)" "the pool is full again"
+	# The 60k after each 4k written is zeroes, not A's old data.
+	dd if=$b of=b.img bs=1M count=8 iflag=direct status=none
+	perl -e '
+		open(my $f, "<:raw", $ARGV[0]) or die "$ARGV[0]: $!";
+		my $bad = 0;
+		for my $i (0 .. 127) {
+			read($f, my $blk, 65536) == 65536 or die "short read";
+			if (substr($blk, 0, 4096) =~ /^\0*$/) { print "block $i: the 4k written read as zeroes\n"; $bad++; }
+			if (substr($blk, 4096) =~ /[^\0]/) { print "block $i: not zeroes after the 4k written\n"; $bad++; }
+		}
+		exit($bad ? 1 : 0);' b.img || fail "B's new blocks are not zeroed (data leaked from A?)"
+	assert_eq "$(part_sha pa 8 8)" "$(dev_sha $a 8 8)" "A's remaining data"
+	assert_eq "$(zero_sha 8)" "$(dev_sha $a 0 8)" "A's discarded half"
+	check_pool_status tss-pool
+	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode"
+	dm_remove tss-a
+	dm_remove tss-b
+	teardown_pool
+}
+
+# --- 5. flush and durability ------------------------------------------------
+
+# Data blocks of device <id> mapped in thin_dump output <file> within
+# virtual blocks [<begin>, <end>).
+dump_mapped_in() {
+	awk -v id="$2" -v b="$3" -v e="$4" '
+		/<device / { match($0, /dev_id="[0-9]+"/); cur = substr($0, RSTART + 8, RLENGTH - 9) }
+		/<\/device>/ { cur = "" }
+		cur == id && /<single_mapping / {
+			match($0, /origin_block="[0-9]+"/); o = substr($0, RSTART + 14, RLENGTH - 15) + 0
+			if (o >= b && o < e) n++
+		}
+		cur == id && /<range_mapping / {
+			match($0, /origin_begin="[0-9]+"/); o = substr($0, RSTART + 14, RLENGTH - 15) + 0
+			match($0, /length="[0-9]+"/); l = substr($0, RSTART + 8, RLENGTH - 9) + 0
+			lo = o > b ? o : b; hi = o + l < e ? o + l : e
+			if (hi > lo) n += hi - lo
+		}
+		END { print n + 0 }' "$1"
+}
+
+# Freeze the metadata device and copy what is on it now (the last
+# committed transaction and whatever has been written since) to /dev/ram2
+# (thin_check wants O_DIRECT: no file on tmpfs), and thin_dump it to <file>.
+meta_image() {
+	dmsetup suspend tss-meta
+	dd if=/dev/ram0 of=/dev/ram2 bs=1M count=$META_MIB iflag=direct oflag=direct status=none
+	dmsetup resume tss-meta
+	thin_check /dev/ram2 >check.log 2>&1 || { cat check.log; fail "thin_check of the metadata image ($1)"; }
+	thin_dump /dev/ram2 >"$1"
+}
+
+test_flush_durability() {
+	local t=/dev/mapper/tss-thin0 TSS_RAM_DISKS=3
+	need_targets
+	make_pool 512 0
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+
+	# FUA: O_DIRECT|O_SYNC writes. When dd returns, the mappings of the
+	# 8 MiB at 0 (blocks 0..127) must be committed.
+	head -c 8M /dev/urandom >a
+	dd if=a of=$t bs=1M oflag=direct,sync conv=notrunc status=none
+	meta_image d1.xml
+	assert_eq 128 "$(dump_mapped_in d1.xml 0 0 128)" "committed blocks after FUA writes"
+
+	# Flush: O_DIRECT writes then fsync (an empty flush).
+	head -c 4M /dev/urandom >b
+	dd if=b of=$t bs=1M seek=16 oflag=direct conv=notrunc,fsync status=none
+	meta_image d2.xml
+	assert_eq 64 "$(dump_mapped_in d2.xml 0 256 320)" "committed blocks after a flush"
+
+	# Buffered writes plus fdatasync through the page cache.
+	head -c 2M /dev/urandom >c
+	dd if=c of=$t bs=1M seek=32 conv=notrunc,fdatasync status=none
+	meta_image d3.xml
+	assert_eq 32 "$(dump_mapped_in d3.xml 0 512 544)" "committed blocks after fdatasync"
+
+	# No explicit commit: suspend and remove everything, then the
+	# metadata holds every mapping.
+	dmsetup suspend tss-thin0
+	dmsetup suspend tss-pool
+	dm_remove tss-thin0
+	dm_remove tss-pool
+	check_meta
+	thin_dump /dev/mapper/tss-meta >d4.xml
+	grep -q '<device dev_id="0" mapped_blocks="224"' d4.xml ||
+		fail "thin_dump after removal: $(grep '<device ' d4.xml)"
+	# And the data comes back.
+	dm_create tss-pool "0 1048576 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	assert_eq "$(file_sha a)" "$(dev_sha $t 0 8)" "FUA data after reopening"
+	assert_eq "$(file_sha b)" "$(dev_sha $t 16 4)" "flushed data after reopening"
+	assert_eq "$(file_sha c)" "$(dev_sha $t 32 2)" "fdatasync'd data after reopening"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
+# --- 6. messages ------------------------------------------------------------
+
+test_messages() {
+	local held out
+	need_targets
+	make_pool 512 0
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 4M /dev/urandom >a
+	write_file a /dev/mapper/tss-thin0 0
+
+	# set_transaction_id <current> <new>: compare and swap.
+	assert_eq 0 "$(dm_status tss-pool | cut -d' ' -f1)" "initial transaction id"
+	dm_message tss-pool "set_transaction_id 0 1"
+	assert_eq 1 "$(dm_status tss-pool | cut -d' ' -f1)" "transaction id after 0 -> 1"
+	expect_fail dmsetup message tss-pool 0 "set_transaction_id 0 2"
+	assert_eq 1 "$(dm_status tss-pool | cut -d' ' -f1)" "transaction id after a refused swap"
+	dm_message tss-pool "set_transaction_id 1 77"
+	assert_eq 77 "$(dm_status tss-pool | cut -d' ' -f1)" "transaction id after 1 -> 77"
+
+	# Metadata snapshot: held root in the status, thin_dump -m works on
+	# the live metadata device.
+	dm_message tss-pool "reserve_metadata_snap"
+	check_pool_status tss-pool
+	held=$(dm_status tss-pool | cut -d' ' -f4)
+	[[ $held =~ ^[0-9]+$ ]] || fail "held metadata root after reserve_metadata_snap: '$held'"
+	expect_fail dmsetup message tss-pool 0 "reserve_metadata_snap"
+	# Changes after the reservation are not in the snapshot.
+	dm_message tss-pool "create_thin 5"
+	thin_dump -m /dev/mapper/tss-meta >snap.xml 2>dump.err ||
+		{ cat dump.err; fail "thin_dump -m on the live metadata device failed"; }
+	grep -q '<device dev_id="0" mapped_blocks="64"' snap.xml ||
+		fail "thin_dump -m: device 0 with 64 blocks expected: $(grep '<device ' snap.xml)"
+	! grep -q '<device dev_id="5"' snap.xml || fail "thin_dump -m shows a device created after the reservation"
+	grep -q 'transaction="77"' snap.xml || fail "thin_dump -m: transaction 77 expected: $(grep '<superblock' snap.xml)"
+	thin_dump -m"$held" /dev/mapper/tss-meta >snap2.xml 2>dump.err ||
+		{ cat dump.err; fail "thin_dump -m$held failed"; }
+	dm_message tss-pool "release_metadata_snap"
+	assert_eq - "$(dm_status tss-pool | cut -d' ' -f4)" "held root after release"
+	expect_fail dmsetup message tss-pool 0 "release_metadata_snap"
+	# Reserve and release again.
+	dm_message tss-pool "reserve_metadata_snap"
+	dm_message tss-pool "release_metadata_snap"
+	dm_message tss-pool "delete 5"
+
+	# The extra stats message (ours only).
+	if ours; then
+		# Read the mapped blocks twice: the second time from the cache.
+		dd if=/dev/mapper/tss-thin0 of=/dev/null bs=64k count=64 iflag=direct status=none
+		dd if=/dev/mapper/tss-thin0 of=/dev/null bs=64k count=64 iflag=direct status=none
+		out=$(dmsetup message tss-pool 0 stats) || fail "the stats message failed"
+		log "stats: $out"
+		[[ $out =~ fast_ios\ ([0-9]+) ]] || fail "stats: no fast_ios counter: '$out'"
+		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "stats: no fast IOs after reading mapped blocks: '$out'"
+		[[ $out =~ deferred_ios\ ([0-9]+) ]] || fail "stats: no deferred_ios counter: '$out'"
+		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "stats: no deferred IOs after provisioning: '$out'"
+		[[ $out =~ commits\ ([0-9]+) ]] || fail "stats: no commits counter: '$out'"
+		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "stats: no commits: '$out'"
+		[[ $out =~ provisioned_blocks\ ([0-9]+) ]] || fail "stats: no provisioned_blocks: '$out'"
+		assert_eq 64 "${BASH_REMATCH[1]}" "stats: provisioned_blocks"
+	fi
+
+	check_pool_status tss-pool
+	dm_remove tss-thin0
+	teardown_pool
+}
+
+# --- 7. out of data space ---------------------------------------------------
+
+# wait_gone <pid> <tenths of a second>: succeed if the process ended.
+wait_gone() {
+	local i
+	for i in $(seq "$2"); do
+		kill -0 "$1" 2>/dev/null || return 0
+		sleep 0.1
+	done
+	! kill -0 "$1" 2>/dev/null
+}
+
+test_no_space() {
+	local t=/dev/mapper/tss-thin0 t0 dt old_timeout pid
+	need_targets
+	[ -w "$NO_SPACE_TIMEOUT" ] || fail "no module parameter $NO_SPACE_TIMEOUT"
+	old_timeout=$(cat "$NO_SPACE_TIMEOUT")
+	# shellcheck disable=SC2064
+	trap "echo $old_timeout >$NO_SPACE_TIMEOUT" EXIT
+
+	# 8 MiB of data (128 blocks), error_if_no_space.
+	make_pool 8 1 error_if_no_space
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 64M /dev/urandom >a
+	t0=$SECONDS
+	if dd if=a of=$t bs=1M count=16 oflag=direct conv=notrunc status=none 2>dd.err; then
+		fail "writing 16 MiB to a pool of 8 MiB succeeded"
+	fi
+	dt=$((SECONDS - t0))
+	log "error_if_no_space: dd failed after ${dt}s: $(cat dd.err)"
+	[ $dt -le 20 ] || fail "error_if_no_space: the write took ${dt}s to fail"
+	check_pool_status tss-pool
+	assert_eq out_of_data_space "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode when full"
+	assert_eq "128/128" "$(dm_status tss-pool | cut -d' ' -f3)" "data blocks when full"
+	assert_eq "$(part_sha a 0 8)" "$(dev_sha $t 0 8)" "what fitted"
+	# Overwrites of mapped blocks still work.
+	dd if=a of=$t bs=1M skip=20 seek=0 count=1 oflag=direct conv=notrunc status=none ||
+		fail "overwriting a mapped block of a full pool failed"
+	assert_eq "$(part_sha a 20 1)" "$(dev_sha $t 0 1)" "overwritten block of a full pool"
+	dd if=a of=$t bs=1M count=1 oflag=direct conv=notrunc status=none
+
+	# Resize: grow the data device, reload the pool with the new length.
+	grow_pool 32 1 error_if_no_space
+	check_pool_status tss-pool
+	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after the resize"
+	assert_eq "128/512" "$(dm_status tss-pool | cut -d' ' -f3)" "data blocks after the resize"
+	dd if=a of=$t bs=1M skip=8 seek=8 count=8 oflag=direct conv=notrunc,fsync status=none ||
+		fail "writing after the resize failed"
+	assert_eq "$(part_sha a 0 16)" "$(dev_sha $t 0 16)" "data written before and after the resize"
+
+	# Queue mode with a 2 s no_space_timeout: a write beyond the space
+	# waits, then fails.
+	echo 2 >"$NO_SPACE_TIMEOUT"
+	reload_pool 32 0
+	assert_eq queue_if_no_space "$(dm_status tss-pool | cut -d' ' -f7)" "queue mode after reload"
+	t0=$EPOCHREALTIME
+	if dd if=a of=$t bs=1M skip=16 seek=16 count=24 oflag=direct conv=notrunc status=none 2>dd.err; then
+		fail "writing 24 MiB into 16 MiB of space succeeded"
+	fi
+	dt=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+	log "queue, no_space_timeout 2: dd failed after ${dt}s: $(cat dd.err)"
+	awk -v d="$dt" 'BEGIN { exit !(d >= 1.5 && d <= 40) }' ||
+		fail "with no_space_timeout 2 the write failed after ${dt}s"
+	assert_eq out_of_data_space "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode when full (queue)"
+	assert_eq "$(part_sha a 16 16)" "$(dev_sha $t 16 16)" "what fitted (queue)"
+
+	# Reloaded in queue mode while still full: a new write waits again for
+	# no_space_timeout, then fails.
+	reload_pool 32 0
+	assert_eq queue_if_no_space "$(dm_status tss-pool | cut -d' ' -f7)" "queue mode after the second reload"
+	dd if=a of=$t bs=1M skip=40 seek=40 count=1 oflag=direct conv=notrunc status=none 2>dd.err &
+	pid=$!
+	if ! wait_gone $pid 200; then
+		# Error the write before failing, or nothing can be removed.
+		log "pool: $(dm_status tss-pool)"
+		reload_pool 32 1 error_if_no_space
+		wait_gone $pid 200 || true
+		fail "a write to a full pool reloaded in queue mode was not errored within 20 s (no_space_timeout 2)"
+	fi
+	if wait $pid; then
+		fail "a write to a full pool reloaded in queue mode succeeded"
+	fi
+	log "queued write after reload failed: $(cat dd.err)"
+
+	# Queue mode, and the pool grows while a write waits: the write
+	# completes.
+	echo 60 >"$NO_SPACE_TIMEOUT"
+	reload_pool 32 0
+	dd if=a of=$t bs=1M skip=32 seek=32 count=8 oflag=direct conv=notrunc,fsync status=none 2>dd.err &
+	pid=$!
+	if wait_gone $pid 20; then
+		wait $pid || true
+		fail "a write to a full pool in queue mode ended at once: $(cat dd.err)"
+	fi
+	assert_eq out_of_data_space "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode with a queued write"
+	grow_pool 64 0
+	if ! wait_gone $pid 200; then
+		log "pool: $(dm_status tss-pool)"
+		reload_pool 64 1 error_if_no_space
+		wait_gone $pid 200 || true
+		fail "the queued write did not complete within 20 s of the resize"
+	fi
+	wait $pid || fail "the queued write failed after the resize: $(cat dd.err)"
+	check_pool_status tss-pool
+	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after the second resize"
+	assert_eq "$(part_sha a 32 8)" "$(dev_sha $t 32 8)" "the queued write's data"
+	assert_eq "$(part_sha a 0 32)" "$(dev_sha $t 0 32)" "data before it"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
+# --- 9. concurrency and integrity -------------------------------------------
+
+test_concurrent_fio_snapshot() {
+	local pid s
+	need_targets
+	make_pool 512 0
+	dm_message tss-pool "create_thin 0"
+	dm_message tss-pool "create_thin 1"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	dm_create tss-thin1 "0 131072 $THIN_T /dev/mapper/tss-pool 1"
+
+	# Two jobs per device, each its own 32 MiB, random 4k writes each
+	# block once, then fio verifies them.
+	local fio_args=(--rw=randwrite --bs=4k --size=32M --offset_increment=32M --numjobs=2
+		--iodepth=8 --verify=crc32c --verify_fatal=1 --group_reporting)
+	fio --name=d0 --filename=/dev/mapper/tss-thin0 --direct=1 --ioengine=libaio "${fio_args[@]}" \
+		--name=d1 --filename=/dev/mapper/tss-thin1 --direct=1 --ioengine=libaio "${fio_args[@]}" \
+		--eta=never --output=fio.log &
+	pid=$!
+	# Snapshot device 0 while fio runs.
+	sleep 2
+	kill -0 $pid 2>/dev/null || log "fio finished before the snapshot was taken"
+	dmsetup suspend tss-thin0
+	dm_message tss-pool "create_snap 2 0"
+	dmsetup resume tss-thin0
+	wait $pid || { cat fio.log; fail "fio with verify failed"; }
+	grep -E 'err=|WRITE:|READ:' fio.log | sed 's/^/      /'
+
+	# Full verify pass again, reading only.
+	fio --name=d0 --filename=/dev/mapper/tss-thin0 --direct=1 --ioengine=libaio "${fio_args[@]}" --verify_only \
+		--name=d1 --filename=/dev/mapper/tss-thin1 --direct=1 --ioengine=libaio "${fio_args[@]}" --verify_only \
+		--eta=never --output=fio2.log || { cat fio2.log; fail "fio verify-only pass failed"; }
+
+	# Each 4k block was written once: the snapshot's block is either still
+	# zero (written after the snapshot) or the origin's final one.
+	dm_create tss-snap2 "0 131072 $THIN_T /dev/mapper/tss-pool 2"
+	dd if=/dev/mapper/tss-snap2 of=snap.img bs=1M count=64 iflag=direct status=none
+	dd if=/dev/mapper/tss-thin0 of=orig.img bs=1M count=64 iflag=direct status=none
+	s=$(perl -e '
+		open(my $s, "<:raw", $ARGV[0]) or die; open(my $o, "<:raw", $ARGV[1]) or die;
+		my ($z, $eq, $bad, $zero) = (0, 0, 0, "\0" x 4096);
+		while (read($s, my $a, 4096)) {
+			read($o, my $b, 4096);
+			if ($a eq $zero) { $z++ } elsif ($a eq $b) { $eq++ } else { $bad++ }
+		}
+		print "$z $eq $bad\n";' snap.img orig.img)
+	log "snapshot 4k blocks: zero, same as the origin, other: $s"
+	[ "${s##* }" = 0 ] || fail "the snapshot has ${s##* } blocks that are neither zero nor the origin's"
+	rm -f snap.img orig.img
+	dm_remove tss-snap2
+	dm_remove tss-thin0
+	dm_remove tss-thin1
+	teardown_pool
+}
+
+run_test thin_scalable_basic test_basic
+run_test thin_scalable_snapshots test_snapshots
+run_test thin_scalable_discard test_discard
+run_test thin_scalable_discard_isolation test_discard_isolation
+run_test thin_scalable_flush_durability test_flush_durability
+run_test thin_scalable_messages test_messages
+run_test thin_scalable_no_space test_no_space
+run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
+summary
