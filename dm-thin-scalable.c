@@ -1389,6 +1389,11 @@ static void pool_resume(struct dm_target *ti)
 	pool->low_water_triggered = false;
 	requeue_retry_list(pool);
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
+	/* Still out of space, now queueing: the timeout runs again. */
+	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
+	    no_space_timeout_secs)
+		queue_delayed_work(pool->wq, &pool->no_space_timeout,
+				   no_space_timeout_secs * HZ);
 }
 
 static void pool_postsuspend(struct dm_target *ti)
