@@ -16,6 +16,7 @@ if [ "$POOL_T" = thin-pool ]; then
 else
 	TSS_MODULE=dm_thin_scalable
 fi
+# shellcheck disable=SC2034 # used by the test files
 NO_SPACE_TIMEOUT=/sys/module/$TSS_MODULE/parameters/no_space_timeout
 META_MIB=64
 LOW_WATER=16
@@ -86,6 +87,7 @@ grow_pool() {
 	reload_pool "$@"
 }
 
+# shellcheck disable=SC2120 # the device is optional
 check_meta() { # [device]: thin_check clean
 	local dev=${1:-/dev/mapper/tss-meta}
 	thin_check "$dev" >thin_check.log 2>&1 || { cat thin_check.log; fail "thin_check $dev found problems"; }
@@ -94,7 +96,7 @@ check_meta() { # [device]: thin_check clean
 # Remove tss-pool, thin_check its metadata, remove the slices.
 teardown_pool() {
 	dm_remove tss-pool
-	check_meta
+	check_meta /dev/mapper/tss-meta
 	dm_remove tss-data
 	dm_remove tss-meta
 }
