@@ -730,9 +730,11 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 	r = tsp_pool_alloc_data_block(pool->pmd, result);
 	if (r == -ENOSPC) {
 		/* Blocks freed in this transaction become usable at commit. */
-		r = commit(pool);
-		if (!r)
-			r = tsp_pool_alloc_data_block(pool->pmd, result);
+		if (commit(pool)) {
+			bio_io_error(bio);	/* commit() dealt with the failure */
+			return -EIO;
+		}
+		r = tsp_pool_alloc_data_block(pool->pmd, result);
 	}
 	if (r == -ENOSPC) {
 		no_space_for(pool, bio);
