@@ -348,7 +348,7 @@ def main():
         "kernel": info.get("kernel"),
         "smp": int(info["vcpus"]) if "vcpus" in info else a.smp,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "git": git_describe(top),
+        "git": host.pop("git", None) or git_describe(top),
         "settings": {k: info[k] for k in info if k not in ("kernel",)},
         "host": dict(host, nproc=os.cpu_count()),
         "jobs": {j: JOBS.get(j, j) for j in jobs},
