@@ -962,7 +962,11 @@ static __maybe_unused u64 img_content_hash(const u8 *img, size_t len)
 /* Pools                                                               */
 /* ------------------------------------------------------------------ */
 
-/* Open (formatting if empty) the pool in @path; returns 0 or an errno. */
+/*
+ * Open (formatting if empty) the pool in @path.  Returns 0 only after
+ * setting *@bdevp and *@pmdp, else a negative errno (never 0, even if
+ * the failure left errno clear).
+ */
 static __maybe_unused int pool_open(const char *path, tsp_block_t nr_data,
 				    bool format, struct block_device **bdevp,
 				    struct tsp_pool_metadata **pmdp)
@@ -971,7 +975,7 @@ static __maybe_unused int pool_open(const char *path, tsp_block_t nr_data,
 	int r;
 
 	if (!bdev)
-		return -errno;
+		return errno ? -errno : -EIO;
 	r = tsp_pool_metadata_open(bdev, 128, nr_data, format, pmdp);
 	if (r) {
 		tsp_bdev_close(bdev);
