@@ -88,6 +88,13 @@
 #define JOB_HASH_BITS 10
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
 #define METADATA_LOW_WATER_BLOCKS 1024ULL
+/*
+ * Metadata blocks kept back so that the operations in flight when the
+ * pool runs out of metadata space can still finish and commit: a tenth of
+ * the metadata device, 16 MiB at most.  Free counts in the status line
+ * leave it out, as dm-thin's do.
+ */
+#define METADATA_RESERVE_MAX_BLOCKS 4096ULL
 
 static unsigned int no_space_timeout_secs = 60;
 module_param_named(no_space_timeout, no_space_timeout_secs, uint, 0644);
@@ -99,10 +106,15 @@ module_param_named(cache_budget_mib, cache_budget_mib, uint, 0644);
 MODULE_PARM_DESC(cache_budget_mib,
 		 "Mapping cache memory per pool in MiB, taken when a pool is created");
 
-/* Ordered by degradation, as dm-thin's. */
+/*
+ * Ordered by degradation, as dm-thin's.  Out of metadata space the pool
+ * behaves as read-only (and says "ro"), but the metadata stays writable so
+ * that the work in flight finishes and commits, into the reserve.
+ */
 enum pool_mode {
 	PM_WRITE,
 	PM_OUT_OF_DATA_SPACE,
+	PM_OUT_OF_METADATA_SPACE,
 	PM_READ_ONLY,
 	PM_FAIL,
 };
@@ -146,6 +158,7 @@ struct pool {
 	int sectors_per_block_shift;		/* -1 if not a power of 2 */
 	tsp_block_t low_water_blocks;
 	bool low_water_triggered;
+	bool metadata_low_water_triggered;
 	bool suspended;
 
 	struct llist_head __percpu *deferred;
@@ -264,6 +277,12 @@ static enum pool_mode pool_mode(struct pool *pool)
 	return READ_ONCE(pool->pf.mode);
 }
 
+/* No mapping may change: out of metadata space, read-only or failed. */
+static bool pool_is_read_only(struct pool *pool)
+{
+	return pool_mode(pool) >= PM_OUT_OF_METADATA_SPACE;
+}
+
 static void wake_worker(struct pool *pool)
 {
 	queue_work(pool->wq, &pool->worker);
@@ -348,6 +367,8 @@ static const char *mode_name(enum pool_mode mode)
 		return "write";
 	case PM_OUT_OF_DATA_SPACE:
 		return "out-of-data-space";
+	case PM_OUT_OF_METADATA_SPACE:
+		return "out-of-metadata-space";
 	case PM_READ_ONLY:
 		return "read-only";
 	default:
@@ -410,6 +431,87 @@ static void metadata_failed(struct pool *pool, const char *op, int r)
 }
 
 /*----------------------------------------------------------------
+ * Space checks
+ *--------------------------------------------------------------*/
+static tsp_block_t metadata_reserve(tsp_block_t nr_blocks)
+{
+	return min_t(tsp_block_t, METADATA_RESERVE_MAX_BLOCKS,
+		     div_u64(nr_blocks, 10));
+}
+
+static tsp_block_t metadata_low_water(tsp_block_t nr_blocks)
+{
+	return min_t(tsp_block_t, METADATA_LOW_WATER_BLOCKS, nr_blocks / 4);
+}
+
+/**
+ * get_metadata_space - the metadata device's size and free blocks
+ * @pool: the pool
+ * @nr_blocks: set to the metadata device's size in blocks
+ * @nr_free: set to its free blocks outside the reserve
+ *
+ * Return: 0, or the metadata layer's error.
+ */
+static int get_metadata_space(struct pool *pool, tsp_block_t *nr_blocks,
+			      tsp_block_t *nr_free)
+{
+	tsp_block_t reserve;
+	int r;
+
+	r = tsp_pool_get_metadata_dev_size(pool->pmd, nr_blocks);
+	if (!r)
+		r = tsp_pool_get_free_metadata_block_count(pool->pmd, nr_free);
+	if (r)
+		return r;
+	reserve = metadata_reserve(*nr_blocks);
+	*nr_free = *nr_free > reserve ? *nr_free - reserve : 0;
+	return 0;
+}
+
+/*
+ * Send the metadata low water event once; switch to out-of-metadata-space
+ * mode when only the reserve is left.  Caller holds commit_lock.
+ */
+static void check_metadata_space(struct pool *pool)
+{
+	tsp_block_t nr_blocks, nr_free;
+
+	lockdep_assert_held(&pool->commit_lock);
+	if (get_metadata_space(pool, &nr_blocks, &nr_free)) {
+		DMERR("%s: could not get free metadata blocks",
+		      dm_device_name(pool->pool_md));
+		set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
+		return;
+	}
+	if (!pool->metadata_low_water_triggered &&
+	    nr_free + metadata_reserve(nr_blocks) <= metadata_low_water(nr_blocks)) {
+		DMWARN("%s: reached low water mark for metadata device: sending event",
+		       dm_device_name(pool->pool_md));
+		pool->metadata_low_water_triggered = true;
+		if (pool->ti)
+			dm_table_event(pool->ti->table);
+	}
+	if (!nr_free && !pool_is_read_only(pool)) {
+		DMERR("%s: no free metadata blocks", dm_device_name(pool->pool_md));
+		set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
+	}
+}
+
+static void requeue_retry_list(struct pool *pool);
+
+/* Out of data space, and a commit freed blocks: back to write mode. */
+static void check_data_space(struct pool *pool)
+{
+	tsp_block_t nr_free;
+
+	if (pool_mode(pool) != PM_OUT_OF_DATA_SPACE ||
+	    tsp_pool_get_free_block_count(pool->pmd, &nr_free) || !nr_free)
+		return;
+	set_pool_mode(pool, PM_WRITE);
+	requeue_retry_list(pool);
+}
+
+/*----------------------------------------------------------------
  * Commit
  *--------------------------------------------------------------*/
 static int __commit(struct pool *pool)
@@ -440,6 +542,8 @@ static int __commit(struct pool *pool)
 		return r;
 	}
 	atomic64_inc(&pool->commits);
+	check_metadata_space(pool);
+	check_data_space(pool);
 	return 0;
 }
 
@@ -594,6 +698,9 @@ static void finish_job(struct pool *pool, struct job *job)
 
 	hlist_del(&job->hash);
 
+	/* Read-only metadata: the block cannot be mapped, its IO fails. */
+	if (!r && pool_mode(pool) >= PM_READ_ONLY)
+		r = -EIO;
 	if (!r) {
 		r = tsp_thin_insert_block(tc->td, job->virt, job->data_block);
 		if (r)
@@ -716,6 +823,7 @@ static void check_low_water_mark(struct pool *pool)
 /* Allocate a data block; -ENOSPC has been dealt with (bio queued). */
 static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 {
+	tsp_block_t nr_meta, nr_meta_free;
 	int r;
 
 	if (pool_mode(pool) != PM_WRITE) {
@@ -746,6 +854,13 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 		return r;
 	}
 	check_low_water_mark(pool);
+
+	/*
+	 * Only the metadata reserve is left: commit, which switches the pool
+	 * to out-of-metadata-space mode.  This block's mapping still fits.
+	 */
+	if (!get_metadata_space(pool, &nr_meta, &nr_meta_free) && !nr_meta_free)
+		(void)commit(pool);
 	return 0;
 }
 
@@ -799,12 +914,9 @@ static void process_discard(struct thin_c *tc, struct bio *bio)
 	u32 count;
 	int r = 0;
 
-	if (!pool->pf.discard_enabled) {
+	/* A read-only pool ignores discards, as dm-thin does. */
+	if (!pool->pf.discard_enabled || pool_is_read_only(pool)) {
 		bio_endio(bio);
-		return;
-	}
-	if (pool_mode(pool) >= PM_READ_ONLY) {
-		bio_io_error(bio);
 		return;
 	}
 
@@ -1384,6 +1496,13 @@ static int pool_preresume(struct dm_target *ti)
 			if (!tsp_pool_get_free_block_count(pool->pmd, &free) && free)
 				set_pool_mode(pool, PM_WRITE);
 		}
+		if (pool_mode(pool) == PM_OUT_OF_METADATA_SPACE) {
+			tsp_block_t nr_meta, nr_meta_free;
+
+			if (!get_metadata_space(pool, &nr_meta, &nr_meta_free) &&
+			    nr_meta_free)
+				set_pool_mode(pool, PM_WRITE);
+		}
 	}
 	return 0;
 }
@@ -1395,6 +1514,7 @@ static void pool_resume(struct dm_target *ti)
 
 	pool->suspended = false;
 	pool->low_water_triggered = false;
+	pool->metadata_low_water_triggered = false;
 	requeue_retry_list(pool);
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
 	/* Still out of space, now queueing: the timeout runs again. */
@@ -1500,7 +1620,7 @@ static int pool_message(struct dm_target *ti, unsigned int argc, char **argv,
 	if (!strcasecmp(argv[0], "stats") && argc == 1)
 		return emit_stats(pool, result, maxlen);
 
-	if (pool_mode(pool) >= PM_READ_ONLY) {
+	if (pool_is_read_only(pool)) {
 		DMERR("%s: unable to service pool target messages in READ_ONLY or FAIL mode",
 		      dm_device_name(pool->pool_md));
 		return -EOPNOTSUPP;
@@ -1553,8 +1673,7 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 			(void)commit(pool);
 
 		if (tsp_pool_get_metadata_transaction_id(pool->pmd, &trans_id) ||
-		    tsp_pool_get_free_metadata_block_count(pool->pmd, &free_meta) ||
-		    tsp_pool_get_metadata_dev_size(pool->pmd, &nr_meta) ||
+		    get_metadata_space(pool, &nr_meta, &free_meta) ||
 		    tsp_pool_get_free_block_count(pool->pmd, &free_data) ||
 		    tsp_pool_get_data_block_count(pool->pmd, &nr_data) ||
 		    tsp_pool_get_metadata_snap(pool->pmd, &held)) {
@@ -1573,7 +1692,7 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 			DMEMIT("- ");
 		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE)
 			DMEMIT("out_of_data_space ");
-		else if (pool_mode(pool) >= PM_READ_ONLY)
+		else if (pool_is_read_only(pool))
 			DMEMIT("ro ");
 		else
 			DMEMIT("rw ");
@@ -1591,7 +1710,7 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 			DMEMIT("needs_check ");
 		else
 			DMEMIT("- ");
-		DMEMIT("%llu ", min(METADATA_LOW_WATER_BLOCKS, (unsigned long long)nr_meta / 4));
+		DMEMIT("%llu ", (unsigned long long)metadata_low_water(nr_meta));
 		break;
 
 	case STATUSTYPE_TABLE:

@@ -595,6 +595,84 @@ test_concurrent_fio_snapshot() {
 	teardown_pool
 }
 
+# --- 10. out of metadata space ----------------------------------------------
+
+# A 1 MiB metadata device (256 blocks) in front of a 4 GiB data device that
+# stores nothing (the zero target: this test is about metadata only).
+# Writing one 4 KiB piece into each 64 KiB block fills the metadata: the
+# pool sends the metadata low water event, switches to out-of-metadata-space
+# mode (status "ro", messages refused, provisioning writes fail) and, after
+# the metadata device grows, back to write mode.
+#
+# Not a baseline test: stock dm-thin (6.1) ends this in fail mode, as an
+# insert in flight when it makes the metadata read-only fails and the
+# abort that follows cannot lock the superblock.  Ours keeps the metadata
+# writable out of metadata space, so the work in flight lands in the
+# reserve.
+test_metadata_space() {
+	local t=/dev/mapper/tss-thin0 s events used total mapped
+	need_targets
+	ours || skip "stock dm-thin ends this scenario in fail mode"
+	brd_setup 1 8
+	dm_create tss-meta "0 2048 linear /dev/ram0 0"
+	dd if=/dev/zero of=/dev/mapper/tss-meta bs=4096 count=1 oflag=direct status=none
+	dm_create tss-data "0 8388608 zero"
+	dm_create tss-pool "0 8388608 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 0 1 skip_block_zeroing"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 8388608 $THIN_T /dev/mapper/tss-pool 0"
+	s=$(dm_status tss-pool)
+	log "empty: $s"
+	# dm-thin's metadata low water mark: a quarter of 256 blocks.
+	assert_eq 64 "$(echo "$s" | awk '{ print $NF }')" "metadata low water mark in the status line"
+	events=$(dmsetup info -c --noheadings -o events tss-pool)
+
+	if fio --name=fill --filename=$t --direct=1 --ioengine=libaio --iodepth=8 \
+		--rw=write:60k --bs=4k --size=4g --eta=never --output=fill.log; then
+		fail "4 GiB of provisioning writes fitted in 1 MiB of metadata"
+	fi
+	s=$(dm_status tss-pool)
+	log "full: $s"
+	check_pool_status tss-pool
+	assert_eq ro "$(echo "$s" | cut -d' ' -f5)" "pool mode out of metadata space"
+	used=$(echo "$s" | cut -d' ' -f2)
+	total=${used#*/}
+	used=${used%/*}
+	assert_eq 256 "$total" "metadata blocks"
+	# Only the reserve (a tenth) is left: used counts it, as dm-thin's.
+	[ "$used" -ge 230 ] || fail "out of metadata space with $used of 256 blocks used"
+	[ "$(dmsetup info -c --noheadings -o events tss-pool)" -gt "$events" ] ||
+		fail "no event from the pool"
+	dmesg_since_test | grep -q "reached low water mark for metadata device" ||
+		fail "no metadata low water mark message"
+	dmesg_since_test | grep -Eq "switching pool to (out-of-metadata-space|read-only) mode" ||
+		fail "no switch to out-of-metadata-space mode"
+	expect_fail dmsetup message tss-pool 0 "create_thin 1"
+	mapped=$(dm_status tss-thin0 | cut -d' ' -f1)
+	[ "$mapped" -gt 0 ] || fail "nothing mapped"
+	# A write to a new block fails; one to a mapped block does not.
+	expect_fail dd if=/dev/zero of=$t bs=4k seek=$(((1 << 20) - 16)) count=1 oflag=direct status=none
+	dd if=/dev/zero of=$t bs=4k count=1 oflag=direct status=none ||
+		fail "overwriting a mapped block out of metadata space failed"
+
+	# Grow the metadata device to 4 MiB: the pool is writable again.
+	dmsetup suspend tss-thin0
+	dmsetup reload tss-meta --table "0 8192 linear /dev/ram0 0"
+	dmsetup resume tss-meta
+	dmsetup reload tss-pool --table "0 8388608 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 0 1 skip_block_zeroing"
+	dmsetup resume tss-pool
+	dmsetup resume tss-thin0
+	s=$(dm_status tss-pool)
+	log "grown: $s"
+	assert_eq rw "$(echo "$s" | cut -d' ' -f5)" "pool mode after growing the metadata"
+	assert_eq 1024 "$(echo "$s" | cut -d' ' -f2 | cut -d/ -f2)" "metadata blocks after growing"
+	dd if=/dev/zero of=$t bs=4k seek=$(((1 << 20) - 16)) count=1 oflag=direct status=none ||
+		fail "provisioning after growing the metadata failed"
+	dm_message tss-pool "create_thin 1"
+	assert_eq "$((mapped + 128))" "$(dm_status tss-thin0 | cut -d' ' -f1)" "mapped sectors after growing"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
 run_test thin_scalable_basic test_basic
 run_test thin_scalable_snapshots test_snapshots
 run_test thin_scalable_discard test_discard
@@ -603,4 +681,5 @@ run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_no_space test_no_space
 run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
+run_test thin_scalable_metadata_space test_metadata_space
 summary
