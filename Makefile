@@ -16,8 +16,11 @@
 #   make tools            build/{opt,asan}/thin-scalable-meta
 #   make unit             build/asan/tests/* (the unit tests)
 #   make tsan             tools and unit tests under ThreadSanitizer
-#   make check            module, tools and unit tests, then tests/run
-#                         (the VM suite boots the kernel the module is for)
+#   make vm-helpers       build/dm-status (tests/vm/dm-status.c, for the
+#                         VM tests: status lines through libdevmapper)
+#   make check            module, tools, unit tests and vm-helpers, then
+#                         tests/run (the VM suite boots the kernel the
+#                         module is for)
 #   make check-6.12       the same against Debian 12's 6.12 kernel
 #   make fuzz, bench-meta, bench    run scripts/<name> once it exists
 #   make clean
@@ -48,8 +51,8 @@ KERNELS ?= 6.1 6.12
 # What a build/kmod-<kver>/ copy needs: kbuild's input and kernel sources.
 KMOD_SOURCES = Kbuild $(wildcard *.c *.h persistent-data/*.c persistent-data/*.h)
 
-.PHONY: all module modules sparse kernels tools unit tsan check check-6.12 fuzz \
-	bench-meta bench clean FORCE
+.PHONY: all module modules sparse kernels tools unit tsan vm-helpers check \
+	check-6.12 fuzz bench-meta bench clean FORCE
 
 all: module
 
@@ -136,7 +139,21 @@ unit: $(asan_LIBOBJ) $(asan_TESTS)
 
 tsan: $(tsan_TOOLS) $(tsan_TESTS)
 
-check: module tools unit
+# --- userspace: helpers of the VM tests (run in the guest) -----------------
+
+# build/dm-status parses a thin pool's or thin device's status with
+# libdevmapper's dm_get_status_thin_pool/dm_get_status_thin (lvm2's parser).
+VM_HELPERS := build/dm-status
+
+build/dm-status: tests/vm/dm-status.c
+	@mkdir -p $(@D)
+	$(UCC) $(filter-out -MMD -MP,$(UCFLAGS)) $(opt_CFLAGS) -o $@ $< -ldevmapper
+
+vm-helpers: $(VM_HELPERS)
+
+# --- tests ----------------------------------------------------------------
+
+check: module tools unit vm-helpers
 	tests/run
 
 check-6.12:
