@@ -76,8 +76,10 @@
 #define DM_MSG_PREFIX "thin-scalable"
 
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 5, 0)
+#define OPEN_READ BLK_OPEN_READ
 #define OPEN_READ_WRITE (BLK_OPEN_READ | BLK_OPEN_WRITE)
 #else
+#define OPEN_READ FMODE_READ
 #define OPEN_READ_WRITE (FMODE_READ | FMODE_WRITE)
 #endif
 
@@ -202,6 +204,14 @@ struct thin_c {
 	struct dm_dev *pool_dev;
 	tsp_thin_id dev_id;
 	struct tsp_thin_device *td;
+
+	/*
+	 * External origin: a read-only device that unprovisioned blocks
+	 * read from (zeroes past its end), copied into a block when it is
+	 * first written.  Its size is taken on resume.
+	 */
+	struct dm_dev *origin_dev;
+	sector_t origin_size;
 };
 
 /* Per bio, in the thin target's per-bio data. */
@@ -222,7 +232,8 @@ struct job {
 	struct bio *bio;		/* issued once the mapping exists */
 	bool bio_wrote_block;		/* @bio itself filled the block */
 	struct bio_list waiting;	/* later bios for the same block */
-	int err;
+	atomic_t pending;		/* IOs filling the block */
+	int err;			/* of the first IO that failed */
 };
 
 static DEFINE_MUTEX(pool_table_mutex);
@@ -625,16 +636,23 @@ static void add_job(struct pool *pool, struct job *job, struct thin_c *tc,
 	job->virt = virt;
 	job->bio = bio;
 	bio_list_init(&job->waiting);
+	atomic_set(&job->pending, 1);
 	hlist_add_head(&job->hash, job_bucket(pool, tc, virt));
 }
 
-/* From any context: the job's IO is done; the worker finishes it. */
+/*
+ * From any context: one of the job's IOs is done.  The last one hands the
+ * job to the worker, which finishes it.
+ */
 static void job_io_done(struct job *job, int err)
 {
 	struct pool *pool = job->tc->pool;
 	unsigned long flags;
 
-	job->err = err;
+	if (err)
+		WRITE_ONCE(job->err, err);
+	if (!atomic_dec_and_test(&job->pending))
+		return;
 	spin_lock_irqsave(&pool->lock, flags);
 	list_add_tail(&job->list, &pool->completed_jobs);
 	spin_unlock_irqrestore(&pool->lock, flags);
@@ -685,6 +703,33 @@ static struct dm_io_region block_region(struct pool *pool, tsp_block_t b)
 	};
 
 	return region;
+}
+
+/*
+ * Fill @job's new block from the external origin: copy the part of the
+ * block the origin covers, zero the rest (unless zeroing is off).
+ */
+static void copy_from_origin(struct thin_c *tc, struct job *job)
+{
+	struct pool *pool = tc->pool;
+	struct dm_io_region to = block_region(pool, job->data_block);
+	struct dm_io_region from = {
+		.bdev = tc->origin_dev->bdev,
+		.sector = job->virt * pool->sectors_per_block,
+	};
+	struct dm_io_region tail;
+
+	from.count = min_t(sector_t, pool->sectors_per_block,
+			   tc->origin_size - from.sector);
+	if (from.count < to.count && pool->pf.zero_new_blocks) {
+		tail = to;
+		tail.sector += from.count;
+		tail.count -= from.count;
+		atomic_inc(&job->pending);
+		dm_kcopyd_zero(pool->copier, 1, &tail, 0, kcopyd_done, job);
+	}
+	to.count = from.count;
+	dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
 }
 
 static void defer_bio(struct pool *pool, struct bio *bio);
@@ -866,8 +911,8 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 
 /*
  * A write to an unmapped block (@old_block == NULL) or to a shared one:
- * get a new block filled by the bio itself, by zeroing, or by copying the
- * shared block, then map it (finish_job).
+ * get a new block filled by the bio itself, by zeroing, by copying the
+ * shared block or the external origin, then map it (finish_job).
  */
 static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		      const tsp_block_t *old_block)
@@ -897,6 +942,9 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 	if (old_block) {
 		from = block_region(pool, *old_block);
 		dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
+	} else if (tc->origin_dev &&
+		   virt * pool->sectors_per_block < tc->origin_size) {
+		copy_from_origin(tc, job);
 	} else if (pool->pf.zero_new_blocks) {
 		dm_kcopyd_zero(pool->copier, 1, &to, 0, kcopyd_done, job);
 	} else {
@@ -971,6 +1019,28 @@ static void process_discard(struct thin_c *tc, struct bio *bio)
 	bio_endio(bio);
 }
 
+/*
+ * A read of an unprovisioned block: from the external origin, zeroes past
+ * its end; all zeroes without one.
+ */
+static void read_unprovisioned(struct thin_c *tc, struct bio *bio)
+{
+	sector_t sector = bio->bi_iter.bi_sector;
+
+	if (!tc->origin_dev || sector >= tc->origin_size) {
+		zero_fill_bio(bio);
+		bio_endio(bio);
+		return;
+	}
+	if (bio_end_sector(bio) > tc->origin_size) {
+		/* Zero it all, then let the origin fill the part it has. */
+		zero_fill_bio(bio);
+		bio->bi_iter.bi_size = (tc->origin_size - sector) << SECTOR_SHIFT;
+	}
+	bio_set_dev(bio, tc->origin_dev->bdev);
+	submit_bio_noacct(bio);
+}
+
 static void process_bio(struct thin_c *tc, struct bio *bio)
 {
 	struct pool *pool = tc->pool;
@@ -1006,8 +1076,7 @@ static void process_bio(struct thin_c *tc, struct bio *bio)
 	r = tsp_thin_find_block(tc->td, virt, &result);
 	if (r == -ENODATA) {
 		if (bio_data_dir(bio) == READ) {
-			zero_fill_bio(bio);
-			bio_endio(bio);
+			read_unprovisioned(tc, bio);
 		} else {
 			provision(tc, bio, virt, NULL);
 		}
@@ -1786,6 +1855,8 @@ static void thin_dtr(struct dm_target *ti)
 	tsp_pool_close_thin_device(tc->td);
 	pool_put(tc->pool);
 	dm_put_device(ti, tc->pool_dev);
+	if (tc->origin_dev)
+		dm_put_device(ti, tc->origin_dev);
 	kfree(tc);
 }
 
@@ -1808,6 +1879,8 @@ static struct pool *pool_of_bdev(struct block_device *bdev)
 
 /*
  * thin-scalable <pool dev> <dev id> [<external origin dev>]
+ *
+ * The external origin is opened read-only and never written.
  */
 static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 {
@@ -1817,10 +1890,6 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 
 	if (argc != 2 && argc != 3) {
 		ti->error = "Invalid argument count";
-		return -EINVAL;
-	}
-	if (argc == 3) {
-		ti->error = "External origin devices are not supported yet";
 		return -EINVAL;
 	}
 	if (kstrtoull(argv[1], 10, &dev_id) || dev_id > TSP_THIN_MAX_DEV_ID) {
@@ -1836,10 +1905,24 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	tc->ti = ti;
 	tc->dev_id = dev_id;
 
+	if (argc == 3) {
+		if (!strcmp(argv[0], argv[2])) {
+			ti->error = "Error setting origin device: it is the pool device";
+			r = -EINVAL;
+			goto bad_free;
+		}
+		r = dm_get_device(ti, argv[2], OPEN_READ, &tc->origin_dev);
+		if (r) {
+			ti->error = "Error opening origin device";
+			goto bad_free;
+		}
+		tc->origin_size = bdev_nr_sectors(tc->origin_dev->bdev);
+	}
+
 	r = dm_get_device(ti, argv[0], dm_table_get_mode(ti->table), &tc->pool_dev);
 	if (r) {
 		ti->error = "Error opening pool device";
-		goto bad_free;
+		goto bad_origin;
 	}
 
 	tc->pool = pool_of_bdev(tc->pool_dev->bdev);
@@ -1879,6 +1962,9 @@ bad_pool:
 	pool_put(tc->pool);
 bad_pool_dev:
 	dm_put_device(ti, tc->pool_dev);
+bad_origin:
+	if (tc->origin_dev)
+		dm_put_device(ti, tc->origin_dev);
 bad_free:
 	kfree(tc);
 	return r;
@@ -1954,6 +2040,15 @@ static void thin_presuspend(struct dm_target *ti)
 		bio_endio(bio);
 }
 
+static int thin_preresume(struct dm_target *ti)
+{
+	struct thin_c *tc = ti->private;
+
+	if (tc->origin_dev)
+		tc->origin_size = bdev_nr_sectors(tc->origin_dev->bdev);
+	return 0;
+}
+
 static void thin_postsuspend(struct dm_target *ti)
 {
 	struct thin_c *tc = ti->private;
@@ -2000,6 +2095,8 @@ static void thin_status(struct dm_target *ti, status_type_t type,
 	case STATUSTYPE_TABLE:
 		DMEMIT("%s %lu", format_dev_t(buf, tc->pool_dev->bdev->bd_dev),
 		       (unsigned long)tc->dev_id);
+		if (tc->origin_dev)
+			DMEMIT(" %s", format_dev_t(buf, tc->origin_dev->bdev->bd_dev));
 		break;
 
 	default:
@@ -2042,6 +2139,7 @@ static struct target_type thin_target = {
 	.end_io = thin_endio,
 	.presuspend = thin_presuspend,
 	.postsuspend = thin_postsuspend,
+	.preresume = thin_preresume,
 	.status = thin_status,
 	.iterate_devices = thin_iterate_devices,
 	.io_hints = thin_io_hints,

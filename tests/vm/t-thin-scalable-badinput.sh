@@ -199,10 +199,9 @@ test_bad_input() {
 	if dm_exists tss-other; then
 		lines+=("0 8192 $T /dev/mapper/tss-other 1")
 	fi
-	if ours; then
-		# An external origin: refused as not supported (yet).
-		lines+=("0 8192 $T /dev/mapper/tss-pool 1 /dev/mapper/tss-lin")
-	fi
+	# External origins: the pool itself, a device that does not exist.
+	lines+=("0 8192 $T /dev/mapper/tss-pool 1 /dev/mapper/tss-pool"
+		"0 8192 $T /dev/mapper/tss-pool 1 /dev/no-such-device")
 	for line in "${lines[@]}"; do
 		bad_table "$line"
 	done

@@ -186,6 +186,73 @@ test_snapshots() {
 	# After teardown_pool's thin_check: the pool held only device 0.
 }
 
+# --- 3b. external origin -----------------------------------------------------
+
+# A thin device with an external origin of 10 MiB + 48 KiB (its last block
+# is partial) reads the origin where it has nothing, zeroes past the
+# origin's end; a partial write copies the origin's part of the block
+# (zeroing the rest); a snapshot shares the origin; a discard makes a
+# block read the origin again; the origin is never written.
+test_external_origin() {
+	local t=/dev/mapper/tss-thin0 s=/dev/mapper/tss-snap1 osz off
+	need_targets
+	TSS_RAM_DISKS=3 make_pool 64 0
+	osz=$((10 * 2048 + 96))
+	head -c $((osz * 512)) /dev/urandom >o
+	dd if=o of=/dev/ram2 bs=1M oflag=direct status=none
+	dm_create tss-origin "0 $osz linear /dev/ram2 0"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 32768 $THIN_T /dev/mapper/tss-pool 0 /dev/mapper/tss-origin"
+	assert_eq "0 32768 $THIN_T $(devno /dev/mapper/tss-pool) 0 $(devno /dev/mapper/tss-origin)" \
+		"$(dmsetup table tss-thin0)" "thin table line with an external origin"
+
+	cp o expect
+	truncate -s 16M expect
+	assert_eq "$(file_sha expect)" "$(dev_sha $t 0 16)" "reads: the origin, then zeroes"
+	assert_eq 0 "$(pool_used tss-pool)" "reads provision nothing"
+
+	# 4 KiB writes (KiB offsets): inside the origin, in the partial
+	# block past the origin's end, past the origin; and a whole block.
+	head -c 4096 /dev/urandom >w
+	for off in $((3 * 64 + 8)) $((160 * 64 + 52)) $((200 * 64 + 12)); do
+		dd if=w of=$t bs=1k seek=$off count=4 oflag=direct conv=notrunc status=none
+		dd if=w of=expect bs=1k seek=$off count=4 conv=notrunc status=none
+	done
+	head -c 65536 /dev/urandom >b
+	dd if=b of=$t bs=64k seek=5 count=1 oflag=direct conv=notrunc status=none
+	dd if=b of=expect bs=64k seek=5 count=1 conv=notrunc status=none
+	assert_eq 4 "$(pool_used tss-pool)" "blocks after the writes"
+	assert_eq "$(file_sha expect)" "$(dev_sha $t 0 16)" "after partial and whole-block writes"
+	assert_eq "$(file_sha o)" "$(file_sha /dev/mapper/tss-origin)" "the origin is unchanged"
+
+	# A snapshot shares the origin and the blocks; its writes diverge.
+	dmsetup suspend tss-thin0
+	dm_message tss-pool "create_snap 1 0"
+	dmsetup resume tss-thin0
+	dm_create tss-snap1 "0 32768 $THIN_T /dev/mapper/tss-pool 1 /dev/mapper/tss-origin"
+	assert_eq "$(file_sha expect)" "$(dev_sha $s 0 16)" "the snapshot reads the same"
+	cp expect expect1
+	dd if=w of=$s bs=1k seek=$((7 * 64 + 20)) count=4 oflag=direct conv=notrunc status=none
+	dd if=w of=expect1 bs=1k seek=$((7 * 64 + 20)) count=4 conv=notrunc status=none
+	dd if=w of=$s bs=1k seek=$((3 * 64 + 40)) count=4 oflag=direct conv=notrunc status=none
+	dd if=w of=expect1 bs=1k seek=$((3 * 64 + 40)) count=4 conv=notrunc status=none
+	assert_eq "$(file_sha expect1)" "$(dev_sha $s 0 16)" "the snapshot after its writes"
+	assert_eq "$(file_sha expect)" "$(dev_sha $t 0 16)" "the origin thin after the snapshot's writes"
+
+	# Discarding block 3 of thin 0: it reads the origin again.
+	blkdiscard -o $((3 * 65536)) -l 65536 $t
+	dd if=o of=expect bs=64k skip=3 seek=3 count=1 conv=notrunc status=none
+	assert_eq "$(file_sha expect)" "$(dev_sha $t 0 16)" "a discarded block reads the origin"
+	assert_eq "$(file_sha o)" "$(file_sha /dev/mapper/tss-origin)" "the origin is still unchanged"
+
+	# The pool as its own origin is refused.
+	expect_fail dmsetup create tss-bad --table "0 32768 $THIN_T /dev/mapper/tss-pool 0 /dev/mapper/tss-pool"
+	dm_remove tss-snap1
+	dm_remove tss-thin0
+	dm_remove tss-origin
+	teardown_pool
+}
+
 # --- 4. discard -----------------------------------------------------------
 
 test_discard() {
@@ -675,6 +742,7 @@ test_metadata_space() {
 
 run_test thin_scalable_basic test_basic
 run_test thin_scalable_snapshots test_snapshots
+run_test thin_scalable_external_origin test_external_origin
 run_test thin_scalable_discard test_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_flush_durability test_flush_durability
