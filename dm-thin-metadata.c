@@ -1973,6 +1973,8 @@ int tsp_pool_check(struct tsp_pool_metadata *pmd)
 				   &ctx);
 	if (!r)
 		r = compare_counts(&ctx);
+	if (!r)
+		r = tsp_data_sm_check_index(pmd->data_sm);
 out:
 	kvfree(ctx.meta);
 	kvfree(ctx.data);

@@ -11,6 +11,13 @@
  * one before the commit would let a crash expose new data through the
  * old mapping.
  *
+ * An index entry's nr_free counts, as dm-thin's does, every free entry
+ * of its bitmap block, also those past the end of the device: dm-thin
+ * gives a new bitmap all its entries as free, and when it grows the
+ * device it leaves the count of the last bitmap as it is.  Counting
+ * only the entries within the device (as thin_restore does) would hide
+ * blocks from dm-thin once it grows a pool of ours.
+ *
  * Locking: none; the caller serialises.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
@@ -69,6 +76,25 @@ static struct tsp_data_sm *sm_alloc(struct tsp_tm *tm)
 	sm->ref_info.tm = tm;
 	sm->ref_info.vt.size = sizeof(__le32);
 	return sm;
+}
+
+/* Set bitmap @i's nr_free to the free entries in its bitmap block. */
+static int recount_free(struct tsp_data_sm *sm, u64 i)
+{
+	struct tsp_block *blk;
+	u32 first_free;
+	int r;
+
+	r = tsp_tm_read_lock(sm->tm, sm->index[i].blocknr, &tsp_bitmap_validator,
+			     &blk);
+	if (r)
+		return r;
+	sm->index[i].nr_free = tsp_bitmap_count_free(tsp_block_data(blk),
+						     TSP_ENTRIES_PER_BITMAP,
+						     &first_free);
+	tsp_tm_unlock(sm->tm, blk);
+	sm->dirty[i] = 1;
+	return 0;
 }
 
 /* Resize the in-core index arrays to @nr entries, keeping what is there. */
@@ -136,18 +162,21 @@ int tsp_data_sm_extend(struct tsp_data_sm *sm, tsp_block_t nr_blocks)
 		return r;
 
 	if (old_nr) {
-		/* The last old bitmap gains entries, all free. */
-		i = old_nr - 1;
-		sm->index[i].nr_free += bitmap_entries(nr_blocks, i) -
-					bitmap_entries(sm->nr_blocks, i);
-		sm->dirty[i] = 1;
+		/*
+		 * The last old bitmap gains entries, all free.  Count them
+		 * again rather than add: written by dm-thin, its nr_free
+		 * holds them already; by thin_restore, it does not.
+		 */
+		r = recount_free(sm, old_nr - 1);
+		if (r)
+			return r;
 	}
 	for (i = old_nr; i < sm->nr_bitmaps; i++) {
 		r = tsp_tm_new_block(sm->tm, &tsp_bitmap_validator, &blk);
 		if (r)
 			return r;
 		sm->index[i].blocknr = tsp_block_location(blk);
-		sm->index[i].nr_free = bitmap_entries(nr_blocks, i);
+		sm->index[i].nr_free = TSP_ENTRIES_PER_BITMAP;
 		sm->index[i].none_free_before = 0;
 		sm->dirty[i] = 1;
 		tsp_tm_unlock(sm->tm, blk);
@@ -501,6 +530,57 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 	disk_root.bitmap_root = cpu_to_le64(sm->index_root);
 	disk_root.ref_count_root = cpu_to_le64(sm->ref_root);
 	memcpy(root, &disk_root, sizeof(disk_root));
+	return 0;
+}
+
+/**
+ * tsp_data_sm_check_index - compare the index entries with the bitmaps
+ * @sm: space map (as opened or committed)
+ *
+ * An entry's nr_free may count the entries past the end of the device
+ * (dm-thin and we do) or not (thin_restore); it may also be lower than
+ * the free entries in the device: dm-thin growing a pool leaves the
+ * last bitmap's count alone, so a bitmap written by thin_restore and
+ * then grown by dm-thin undercounts for good (thin_check 0.9.0 reads
+ * neither field).  It must not be higher than the free entries of the
+ * whole bitmap block: no writer gets there, and counting frees on top
+ * of it would soon make the entry one that cannot be opened.  Every
+ * entry below none_free_before must be in use.
+ *
+ * Cost: reads every bitmap.  Returns 0, -EILSEQ with a DMERR for the
+ * first bad entry, or an IO error.
+ */
+int tsp_data_sm_check_index(struct tsp_data_sm *sm)
+{
+	struct tsp_index_entry *ie;
+	struct tsp_block *blk;
+	u32 nr, nr_free, first_free;
+	u64 i;
+	int r;
+
+	for (i = 0; i < sm->nr_bitmaps; i++) {
+		ie = &sm->index[i];
+		nr = bitmap_entries(sm->nr_blocks, i);
+		r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator,
+				     &blk);
+		if (r)
+			return r;
+		nr_free = tsp_bitmap_count_free(tsp_block_data(blk), nr,
+						&first_free);
+		tsp_tm_unlock(sm->tm, blk);
+
+		if (ie->nr_free > nr_free + (TSP_ENTRIES_PER_BITMAP - nr)) {
+			DMERR("data space map bitmap %llu: index entry says %u entries are free, the bitmap has %u of %u",
+			      (unsigned long long)i, ie->nr_free, nr_free, nr);
+			return -EILSEQ;
+		}
+		if (ie->none_free_before > first_free) {
+			DMERR("data space map bitmap %llu: index entry says none of the first %u entries is free, entry %u is",
+			      (unsigned long long)i, ie->none_free_before,
+			      first_free);
+			return -EILSEQ;
+		}
+	}
 	return 0;
 }
 

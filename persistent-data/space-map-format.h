@@ -106,4 +106,27 @@ static inline void tsp_bitmap_set(void *block_data, unsigned int i,
 	*wp = cpu_to_le64(w);
 }
 
+/**
+ * tsp_bitmap_count_free - count the free entries of a bitmap block
+ * @block_data: the bitmap block
+ * @nr: how many entries to look at, from the first
+ * @first_free: out, the first of them with count 0, or @nr if none has
+ *
+ * Returns how many of the first @nr entries have count 0.
+ */
+static inline u32 tsp_bitmap_count_free(void *block_data, u32 nr,
+					u32 *first_free)
+{
+	u32 i, n = 0;
+
+	*first_free = nr;
+	for (i = 0; i < nr; i++) {
+		if (tsp_bitmap_get(block_data, i))
+			continue;
+		if (!n++)
+			*first_free = i;
+	}
+	return n;
+}
+
 #endif /* TSP_SPACE_MAP_FORMAT_H */

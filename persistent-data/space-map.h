@@ -50,4 +50,10 @@ int __must_check tsp_data_sm_walk_own_blocks(struct tsp_data_sm *sm,
 					     int (*fn)(void *context, tsp_block_t b),
 					     void *context);
 
+/*
+ * For checkers: compare each bitmap's index entry (nr_free,
+ * none_free_before) with the bitmap.  Reads every bitmap.
+ */
+int __must_check tsp_data_sm_check_index(struct tsp_data_sm *sm);
+
 #endif /* TSP_SPACE_MAP_H */

@@ -1064,7 +1064,12 @@ static void test_value_damage(void)
 	try_damage("top-level tree: a device's root is the details tree", d,
 		   MUST_REFUSE, false, CASE_TIMEOUT);
 
-	/* Data space map index entries. */
+	/*
+	 * Data space map index entries: bitmap 0 is whole, bitmap 1 the
+	 * last.  nr_free may be low (dm-thin growing a pool restored by
+	 * thin_restore leaves it so), never above the free entries of the
+	 * bitmap block; our writer counts them all, as dm-thin does.
+	 */
 	b = find_node(TK_DATA_INDEX, true, 2);
 	if (CHECK(b != ~0ull)) {
 		damage_init(d);
@@ -1074,6 +1079,39 @@ static void test_value_damage(void)
 		reseal(p, SALT_NODE);
 		try_damage("data index entry: nr_free - 1", d, REFUSE_OR_VALID,
 			   false, CASE_TIMEOUT);
+
+		damage_init(d);
+		p = damage_block(d, b);
+		put_le32(p, node_value_off(p, 0) + 8,
+			 get_le32(p, node_value_off(p, 0) + 8) + 1);
+		reseal(p, SALT_NODE);
+		try_damage("data index entry: nr_free + 1", d, MUST_REFUSE,
+			   false, CASE_TIMEOUT);
+
+		damage_init(d);
+		p = damage_block(d, b);
+		put_le32(p, node_value_off(p, 1) + 8,
+			 get_le32(p, node_value_off(p, 1) + 8) + 1);
+		reseal(p, SALT_NODE);
+		try_damage("last data index entry: nr_free + 1", d, MUST_REFUSE,
+			   false, CASE_TIMEOUT);
+
+		damage_init(d);
+		p = damage_block(d, b);
+		put_le32(p, node_value_off(p, 1) + 8,
+			 get_le32(p, node_value_off(p, 1) + 8) -
+			 (BITMAP_ENTRIES - (NR_DATA - BITMAP_ENTRIES)));
+		reseal(p, SALT_NODE);
+		try_damage("last data index entry: nr_free without the entries "
+			   "past the end (thin_restore's count)", d,
+			   REFUSE_OR_VALID, false, CASE_TIMEOUT);
+
+		damage_init(d);
+		p = damage_block(d, b);
+		put_le32(p, node_value_off(p, 0) + 12, BITMAP_ENTRIES);
+		reseal(p, SALT_NODE);
+		try_damage("data index entry: none_free_before past a free entry",
+			   d, MUST_REFUSE, false, CASE_TIMEOUT);
 
 		damage_init(d);
 		p = damage_block(d, b);

@@ -7,7 +7,8 @@
  * inc/dec/new_block, with a set of hot blocks whose counts go back and
  * forth across 2 <-> 3 (where a count moves between the bitmap and the
  * overflow btree) and a few very large counts.  verify() compares every
- * count, the free count, and the metadata blocks the map occupies with
+ * count, the free count, each index entry against its bitmap
+ * (tsp_data_sm_check_index), and the metadata blocks the map occupies with
  * the metadata space map's counts exactly.  Also: blocks freed in a
  * transaction are not handed out before the commit; -ENOSPC when full;
  * dec of a free block and blocks beyond the end are errors; extend keeps
@@ -312,6 +313,7 @@ static void verify(struct ctx *c)
 		nr_free += !count;
 	}
 	CHECK(tsp_data_sm_nr_free(c->sm) == nr_free);
+	CHECK_R(tsp_data_sm_check_index(c->sm), 0);
 
 	/* The metadata blocks the maps occupy, exactly. */
 	memset(c->meta_refs, 0, c->nr_meta * sizeof(u32));
