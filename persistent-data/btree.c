@@ -205,18 +205,34 @@ static int read_node(struct tsp_btree_info *info, tsp_block_t b,
 	return r;
 }
 
-/*
- * Only a root may be empty.  An empty node below the root, or keys that
- * do not increase along a walk, mean a corrupt tree; a node reachable by
- * many paths (a cycle or a "DAG bomb") is caught by one of the two before
- * a walk can take exponential time.
+/**
+ * read_node_at - read a node met on a recursive descent
+ * @info: tree description
+ * @b: the node
+ * @depth: its level below the root (0: the root)
+ * @result: out, the node, read locked
+ *
+ * Refuses (-EILSEQ) a node deeper than MAX_DEPTH, which bounds the
+ * recursion, and an empty node below the root: only a root may be
+ * empty.  An empty node below the root, or keys that do not increase
+ * along a walk, mean a corrupt tree; a node reachable by many paths (a
+ * cycle or a "DAG bomb") is caught by one of the two before a walk can
+ * take exponential time.
  */
-static int check_not_empty(struct tsp_block *b, int depth)
+static int read_node_at(struct tsp_btree_info *info, tsp_block_t b, int depth,
+			struct tsp_block **result)
 {
-	if (!depth || nr_entries(node_of(b)))
-		return 0;
-	DMERR("btree node %llu below the root is empty",
-	      (unsigned long long)tsp_block_location(b));
+	int r;
+
+	if (depth > MAX_DEPTH) {
+		DMERR("btree is too deep at node %llu", (unsigned long long)b);
+		return -EILSEQ;
+	}
+	r = read_node(info, b, result);
+	if (r || !depth || nr_entries(node_of(*result)))
+		return r;
+	DMERR("btree node %llu below the root is empty", (unsigned long long)b);
+	tsp_tm_unlock(info->tm, *result);
 	return -EILSEQ;
 }
 
@@ -801,18 +817,12 @@ static int lookup_next_in(struct tsp_btree_info *info, tsp_block_t b, u64 key,
 	struct btree_node *n;
 	int i, r;
 
-	if (depth > MAX_DEPTH) {
-		DMERR("btree is too deep at node %llu", (unsigned long long)b);
-		return -EILSEQ;
-	}
-
-	r = read_node(info, b, &blk);
+	r = read_node_at(info, b, depth, &blk);
 	if (r)
 		return r;
 	n = node_of(blk);
 
-	r = check_not_empty(blk, depth);
-	if (!r && is_leaf(n)) {
+	if (is_leaf(n)) {
 		u32 pos = lower_bound(n, key);
 
 		r = -ENODATA;
@@ -822,7 +832,7 @@ static int lookup_next_in(struct tsp_btree_info *info, tsp_block_t b, u64 key,
 				memcpy(value, value_at(n, pos), info->vt.size);
 			r = 0;
 		}
-	} else if (!r) {
+	} else {
 		/*
 		 * If the child holding @key's range has nothing at or after
 		 * it, the next child's first key is the answer: two children
@@ -912,16 +922,10 @@ static int walk_node(struct walk_args *a, tsp_block_t b, int depth)
 	u32 i;
 	int r;
 
-	if (depth > MAX_DEPTH) {
-		DMERR("btree is too deep at node %llu", (unsigned long long)b);
-		return -EILSEQ;
-	}
-
-	r = read_node(info, b, &blk);
+	r = read_node_at(info, b, depth, &blk);
 	if (r)
 		return r;
 	n = node_of(blk);
-	r = check_not_empty(blk, depth);
 	for (i = 0; !r && i < nr_entries(n); i++) {
 		if (!is_leaf(n)) {
 			r = walk_node(a, child_at(n, i), depth + 1);
@@ -1025,12 +1029,8 @@ static int check_node(struct check_args *a, tsp_block_t b, u64 lo, u64 hi,
 		if (r)
 			return r;
 	}
-	if (depth > MAX_DEPTH) {
-		DMERR("btree is too deep at node %llu", (unsigned long long)b);
-		return -EILSEQ;
-	}
 
-	r = read_node(info, b, &blk);
+	r = read_node_at(info, b, depth, &blk);
 	if (r)
 		return r;
 	n = node_of(blk);
