@@ -21,7 +21,10 @@
 #   make check            module, tools, unit tests and vm-helpers, then
 #                         tests/run (the VM suite boots the kernel the
 #                         module is for)
-#   make check-6.12       the same against Debian 12's 6.12 kernel
+#   make check-6.12       build/kmod-6.12/ (make kmod-6.12) and vm-helpers,
+#                         then only the VM suite on Debian 12's 6.12 kernel
+#                         with that module (tests/run --vm-only); the
+#                         module at the top of the tree is left alone
 #   make fuzz, bench-meta, bench    run scripts/<name> once it exists
 #   make clean
 
@@ -156,8 +159,10 @@ vm-helpers: $(VM_HELPERS)
 check: module tools unit vm-helpers
 	tests/run
 
-check-6.12:
-	$(MAKE) check KVER=6.12
+# The userspace tests do not depend on the kernel: "make check" ran them.
+check-6.12: kmod-6.12 vm-helpers
+	TSP_MODULE=$(CURDIR)/build/kmod-6.12/dm-thin-scalable.ko KVER=6.12 \
+		tests/run --vm-only
 
 # --- not implemented yet: say so ------------------------------------------
 
