@@ -248,13 +248,16 @@ static struct thin_bio *thin_bio(struct bio *bio)
 	return dm_per_bio_data(bio, sizeof(struct thin_bio));
 }
 
-static tsp_block_t bio_block(struct pool *pool, struct bio *bio)
+static tsp_block_t sector_block(struct pool *pool, sector_t s)
 {
-	sector_t s = bio->bi_iter.bi_sector;
-
 	if (pool->sectors_per_block_shift >= 0)
 		return s >> pool->sectors_per_block_shift;
 	return div_u64(s, pool->sectors_per_block);
+}
+
+static tsp_block_t bio_block(struct pool *pool, struct bio *bio)
+{
+	return sector_block(pool, bio->bi_iter.bi_sector);
 }
 
 static sector_t block_offset(struct pool *pool, sector_t s)
@@ -1128,6 +1131,8 @@ static void do_worker(struct work_struct *ws)
 
 	process_completed_jobs(pool);
 	process_deferred_bios(pool);
+	/* Jobs with nothing to wait for (no zeroing) finish in this pass. */
+	process_completed_jobs(pool);
 	process_commit(pool);
 }
 
@@ -1943,10 +1948,6 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		goto bad_pool;
 	}
 
-	r = dm_set_target_max_io_len(ti, tc->pool->sectors_per_block);
-	if (r)
-		goto bad_td;
-
 	ti->private = tc;
 	ti->num_flush_bios = 1;
 	ti->flush_supported = true;
@@ -1956,8 +1957,6 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	ti->num_discard_bios = 1;
 	return 0;
 
-bad_td:
-	tsp_pool_close_thin_device(tc->td);
 bad_pool:
 	pool_put(tc->pool);
 bad_pool_dev:
@@ -1971,33 +1970,76 @@ bad_free:
 }
 
 /*
+ * Fast lookup of @virt for @bio: mapped, cached, and (for a write) not
+ * shared.  Caller holds rcu_read_lock().
+ */
+static bool find_block_fast(struct thin_c *tc, struct bio *bio,
+			    tsp_block_t virt, tsp_block_t *data_block)
+{
+	struct tsp_thin_lookup_result result;
+
+	if (tsp_thin_find_block_fast(tc->td, virt, &result) ||
+	    (bio_data_dir(bio) == WRITE && result.shared))
+		return false;
+	*data_block = result.block;
+	return true;
+}
+
+/*
+ * The fast path: remap @bio if its first block is mapped and cached.  A
+ * bio over several blocks keeps the run of them that are mapped to
+ * consecutive data blocks; dm core sends the rest as a new bio.
+ */
+static bool map_fast(struct thin_c *tc, struct bio *bio)
+{
+	struct pool *pool = tc->pool;
+	tsp_block_t virt = bio_block(pool, bio);
+	tsp_block_t last = sector_block(pool, bio_end_sector(bio) - 1);
+	tsp_block_t first, next, n;
+
+	rcu_read_lock();
+	if (!find_block_fast(tc, bio, virt, &first)) {
+		rcu_read_unlock();
+		return false;
+	}
+	for (n = 1; virt + n <= last; n++)
+		if (!find_block_fast(tc, bio, virt + n, &next) || next != first + n)
+			break;
+	if (virt + n <= last)
+		dm_accept_partial_bio(bio, (virt + n) * pool->sectors_per_block -
+				      bio->bi_iter.bi_sector);
+	epoch_enter(pool, bio);
+	rcu_read_unlock();
+
+	remap(pool, bio, first);
+	this_cpu_inc(pool->stats->fast);
+	return true;
+}
+
+/*
  * The map path.  The fast path remaps reads and plain writes to blocks
  * this device owns alone without taking any lock; everything else is
- * deferred to the worker.
+ * deferred to the worker, one block per bio.
  */
 static int thin_map(struct dm_target *ti, struct bio *bio)
 {
 	struct thin_c *tc = ti->private;
 	struct pool *pool = tc->pool;
 	struct thin_bio *tb = thin_bio(bio);
-	struct tsp_thin_lookup_result result;
+	sector_t end_of_block;
 
 	tb->tc = tc;
 	tb->epoch = -1;
 	bio->bi_iter.bi_sector = dm_target_offset(ti, bio->bi_iter.bi_sector);
 
-	if (bio_has_data(bio) && !bio_needs_commit(bio) &&
-	    bio_op(bio) != REQ_OP_DISCARD && pool_mode(pool) < PM_FAIL) {
-		rcu_read_lock();
-		if (!tsp_thin_find_block_fast(tc->td, bio_block(pool, bio), &result) &&
-		    (bio_data_dir(bio) == READ || !result.shared)) {
-			epoch_enter(pool, bio);
-			rcu_read_unlock();
-			remap(pool, bio, result.block);
-			this_cpu_inc(pool->stats->fast);
+	if (bio_has_data(bio) && bio_op(bio) != REQ_OP_DISCARD) {
+		if (!bio_needs_commit(bio) && pool_mode(pool) < PM_FAIL &&
+		    map_fast(tc, bio))
 			return DM_MAPIO_REMAPPED;
-		}
-		rcu_read_unlock();
+
+		end_of_block = (bio_block(pool, bio) + 1) * pool->sectors_per_block;
+		if (bio_end_sector(bio) > end_of_block)
+			dm_accept_partial_bio(bio, end_of_block - bio->bi_iter.bi_sector);
 	}
 
 	defer_bio(pool, bio);
