@@ -11,10 +11,21 @@
  *
  * Updates shadow every node on the path from the root (the transaction
  * manager copies a node the committed metadata can still see, and writes
- * a node already copied in this transaction in place).  Insert splits a
- * full node before descending into it, so a split never has to go back
+ * a node already copied in this transaction in place).  Insert makes room
+ * in a full node before descending into it, so it never has to go back
  * up; remove merges or rebalances an underfull child with a sibling on
  * the way back up.
+ *
+ * Density: a full child first hands entries to a sibling with room (the
+ * left one, else the right one) and is split only when neither has
+ * room.  The two usually end up evenly filled; but when the insert goes
+ * past the child's last key (keys inserted in ascending order) the left
+ * sibling is filled completely, and when it goes before the child's first
+ * key (descending order) the right one is.  So a sequentially written
+ * device packs its leaves full, where splitting alone would leave every
+ * leaf half empty, and random inserts fill nodes further too.  A sibling
+ * that is shared with another tree is left alone: copying it would cost
+ * a block, as a split does.
  *
  * Reference counting: a node referenced by several parents (after a
  * snapshot) has a reference count above one.  Shadowing such a node gives
@@ -353,6 +364,35 @@ static int new_node_with(struct tsp_btree_info *info, struct btree_node *src,
 	return 0;
 }
 
+/**
+ * redistribute - move entries between two adjacent children
+ * @n: their parent
+ * @li: the index of the left one in @n
+ * @l: the left child
+ * @rn: the right child
+ * @target: how many entries the left child is to hold
+ *
+ * Entries move from the head of @rn to the tail of @l, or from the tail
+ * of @l to the head of @rn, and @n's key for @rn follows.  The caller
+ * checks that both end up within max_entries.
+ */
+static void redistribute(struct btree_node *n, u32 li, struct btree_node *l,
+			 struct btree_node *rn, u32 target)
+{
+	u32 nl = nr_entries(l);
+
+	if (nl < target) {
+		copy_entries(l, nl, rn, 0, target - nl);
+		set_nr_entries(l, target);
+		shift_entries(rn, 0, -(int)(target - nl));
+	} else if (nl > target) {
+		shift_entries(rn, 0, nl - target);
+		copy_entries(rn, 0, l, target, nl - target);
+		set_nr_entries(l, target);
+	}
+	n->keys[li + 1] = rn->keys[0];
+}
+
 /*
  * The root is full: move its entries into two new children, so the root
  * keeps its location (its parent need not change) and gains a level.
@@ -408,6 +448,119 @@ static int split_child(struct tsp_btree_info *info, struct btree_node *parent,
 	return 0;
 }
 
+/* Free entries a sibling needs before a full child hands it some. */
+#define SHARE_MIN_ROOM 8
+
+/**
+ * share_with_sibling - make room in a full child by moving entries to a sibling
+ * @info: tree description
+ * @n: the parent, write locked
+ * @i: the full child's index in @n
+ * @s: the sibling's index in @n: i - 1 or i + 1
+ * @key: the key being inserted
+ * @child: in, the full child, write locked; out, the one of the two that
+ *	@key now belongs in (it has room), write locked
+ *
+ * The sibling takes part only if it is not shared, has the child's
+ * max_entries, is at least a third full (else the tree is corrupt) and
+ * has at least SHARE_MIN_ROOM free entries.  The two are evened out, but
+ * a left sibling is filled up when @key goes after the child's last key,
+ * and a right one when @key goes before its first key.  Both keep at
+ * least a third of max_entries (the child keeps at least the sibling's
+ * old count), and the one @key belongs in has room.
+ *
+ * Returns 0 when room was made, 1 when the sibling could not take part
+ * (nothing changed), or a negative errno (@child is then unlocked).
+ */
+static int share_with_sibling(struct tsp_btree_info *info, struct btree_node *n,
+			      u32 i, u32 s, u64 key, struct tsp_block **child)
+{
+	struct btree_node *c = node_of(*child), *l, *rn;
+	u32 max = max_entries(c), nr_sib, total, target, li = min(i, s);
+	struct tsp_block *sib;
+	bool in_right;
+	u32 count;
+	int r;
+
+	r = tsp_tm_ref(info->tm, child_at(n, s), &count);
+	if (!r && count > 1)
+		return 1;
+	if (!r)
+		r = read_node(info, child_at(n, s), &sib);
+	if (r) {
+		tsp_tm_unlock(info->tm, *child);
+		return r;
+	}
+	nr_sib = nr_entries(node_of(sib));
+	r = max_entries(node_of(sib)) != max || nr_sib < max / 3 ||
+	    nr_sib + SHARE_MIN_ROOM > max;
+	tsp_tm_unlock(info->tm, sib);
+	if (r)
+		return 1;
+
+	r = shadow_node(info, child_at(n, s), &sib);
+	if (r) {
+		tsp_tm_unlock(info->tm, *child);
+		return r;
+	}
+	set_child(n, s, tsp_block_location(sib));
+
+	total = max + nr_sib;
+	if (s < i) {
+		l = node_of(sib);
+		rn = c;
+		target = key > key_at(c, max - 1) ? max : total / 2;
+	} else {
+		l = c;
+		rn = node_of(sib);
+		target = key < key_at(c, 0) ? nr_sib : total / 2;
+	}
+	redistribute(n, li, l, rn, target);
+
+	in_right = key >= key_at(n, li + 1);
+	if (in_right != (rn == c))
+		swap(*child, sib);
+	tsp_tm_unlock(info->tm, sib);
+	return 0;
+}
+
+/**
+ * make_room - make room in full child @i of @n before descending into it
+ * @info: tree description
+ * @n: the parent, write locked, with room for one more entry
+ * @i: the child's index
+ * @key: the key being inserted
+ * @child: in, the full child, write locked; out, the node @key now
+ *	belongs in, write locked and not full
+ *
+ * Tries the left sibling, then the right one (share_with_sibling()), and
+ * splits the child only when neither takes part.  On error @child is
+ * unlocked.
+ */
+static int make_room(struct tsp_btree_info *info, struct btree_node *n, u32 i,
+		     u64 key, struct tsp_block **child)
+{
+	struct tsp_block *sibling;
+	int r = 1;
+
+	if (i > 0)
+		r = share_with_sibling(info, n, i, i - 1, key, child);
+	if (r > 0 && i + 1 < nr_entries(n))
+		r = share_with_sibling(info, n, i, i + 1, key, child);
+	if (r <= 0)
+		return r;
+
+	r = split_child(info, n, i, *child, &sibling);
+	if (r) {
+		tsp_tm_unlock(info->tm, *child);
+		return r;
+	}
+	if (key >= key_at(node_of(sibling), 0))
+		swap(*child, sibling);
+	tsp_tm_unlock(info->tm, sibling);
+	return 0;
+}
+
 static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
 			    u64 key, const void *value, bool *inserted)
 {
@@ -439,12 +592,13 @@ static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
  * @new_root: out, the root afterwards
  * @inserted: out, may be NULL
  *
- * Cost: shadows one node per level, plus a new node per split.
+ * Cost: shadows one node per level, plus, per full node on the way
+ * down, a sibling shadowed or a new node for a split.
  */
 int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 		     const void *value, tsp_block_t *new_root, bool *inserted)
 {
-	struct tsp_block *blk, *child, *sibling;
+	struct tsp_block *blk, *child;
 	struct btree_node *n;
 	bool dummy;
 	int depth, r;
@@ -487,14 +641,9 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 		set_child(n, i, tsp_block_location(child));
 
 		if (nr_entries(node_of(child)) == max_entries(node_of(child))) {
-			r = split_child(info, n, i, child, &sibling);
-			if (r) {
-				tsp_tm_unlock(info->tm, child);
+			r = make_room(info, n, i, key, &child);
+			if (r)
 				goto out;
-			}
-			if (key >= key_at(node_of(sibling), 0))
-				swap(child, sibling);
-			tsp_tm_unlock(info->tm, sibling);
 		}
 
 		tsp_tm_unlock(info->tm, blk);
@@ -559,16 +708,9 @@ static int rebalance_child(struct tsp_btree_info *info, struct btree_node *n,
 		      (unsigned long long)tsp_block_location(left),
 		      (unsigned long long)tsp_block_location(right));
 		r = -EILSEQ;
-	} else if (nl < target) {
-		copy_entries(l, nl, rn, 0, target - nl);
-		set_nr_entries(l, target);
-		shift_entries(rn, 0, -(int)(target - nl));
-	} else if (nl > target) {
-		shift_entries(rn, 0, nl - target);
-		copy_entries(rn, 0, l, target, nl - target);
-		set_nr_entries(l, target);
+	} else {
+		redistribute(n, li, l, rn, target);
 	}
-	n->keys[li + 1] = rn->keys[0];
 
 	tsp_tm_unlock(info->tm, left);
 	tsp_tm_unlock(info->tm, right);

@@ -21,6 +21,9 @@
  *     block in use at the last commit that was freed since is in use
  *     again.
  *
+ * Density: ascending and descending inserts must leave the leaves full
+ * (all but the last few), random ones at least two thirds full.
+ *
  * Error paths: allocation failure injection (tsp_user_fail_alloc_after),
  * inc/dec callbacks failing on demand, IO failing at every point of a
  * batch and its commit (user/bufio.c crash simulation), and running out
@@ -927,7 +930,7 @@ static u32 *permutation(u32 n)
 static void test_single(const struct vt_config *vt, enum order order,
 			u64 stride)
 {
-	u32 n = quick ? 8000 : vt->size == 8 ? 60000 : vt->size == 4 ? 100000 : 40000;
+	u32 n = quick ? 8000 : vt->size == 8 ? 80000 : vt->size == 4 ? 100000 : 40000;
 	u32 batch = n / 12, nr_ops = quick ? 20000 : 60000;
 	struct ctx *c = ctx_create(16384, vt->size, vt->counted);
 	struct tree *t = &c->t[0];
@@ -1001,6 +1004,76 @@ static void test_single(const struct vt_config *vt, enum order order,
 	nr_verify = c->nr_verify;
 	ctx_destroy(c);
 	printf("ok   %s (%" PRIu64 " verifications)\n", name, nr_verify);
+}
+
+struct leaf_count {
+	struct ctx *c;
+	u32 leaves;
+	u32 max_entries;	/* of the last leaf seen */
+};
+
+/* tsp_btree_check()'s node_fn: count leaves, from the node header. */
+static int count_leaf(void *context, tsp_block_t b)
+{
+	struct leaf_count *lc = context;
+	struct tsp_block *blk;
+	__le32 flags, max;
+	u8 *n;
+
+	CHECK_R(tsp_tm_read_lock(lc->c->tm, b, &tsp_btree_node_validator, &blk), 0);
+	n = tsp_block_data(blk);
+	memcpy(&flags, n + 4, 4);
+	memcpy(&max, n + 20, 4);
+	tsp_tm_unlock(lc->c->tm, blk);
+	if (le32_to_cpu(flags) == 2) {
+		lc->leaves++;
+		lc->max_entries = le32_to_cpu(max);
+	}
+	return 0;
+}
+
+/*
+ * Density: @n keys inserted in @order fill their leaves.  Ascending and
+ * descending inserts must pack the leaves (all full but the last few;
+ * splitting full leaves in half and never filling them again would take
+ * twice as many), random inserts must fill them at least 2/3 on average.
+ */
+static void test_density(const struct vt_config *vt, enum order order)
+{
+	u32 n = quick ? 20000 : 100000, k, slot, full_leaves;
+	struct ctx *c = ctx_create(16384, vt->size, vt->counted);
+	struct leaf_count lc = { .c = c };
+	struct tree *t = &c->t[0];
+	u32 *perm = permutation(n);
+	char name[128];
+
+	snprintf(name, sizeof(name), "density %s %s", vt->name,
+		 order_names[order]);
+	phase = name;
+	key_stride = 1;
+
+	new_tree(c, t);
+	for (k = 0; k < n; k++) {
+		slot = order == SEQUENTIAL ? k : order == REVERSE ? n - 1 - k :
+		       perm[k];
+		CHECK_R(op_insert(c, t, slot, (u32)rnd_below(NV)), 0);
+		if ((k + 1) % 10000 == 0)
+			commit(c);
+	}
+	verify(c);
+	CHECK_R(tsp_btree_check(&c->info, t->root, count_leaf, NULL, &lc), 0);
+	full_leaves = DIV_ROUND_UP(n, lc.max_entries);
+	if (order == RANDOM)
+		CHECK(lc.leaves * 2 <= full_leaves * 3);
+	else
+		CHECK(lc.leaves <= full_leaves + 2);
+
+	del_tree(c, t);
+	commit(c);
+	free(perm);
+	ctx_destroy(c);
+	printf("ok   %s (%u keys in %u leaves of %u: %.1f per leaf)\n", name,
+	       n, lc.leaves, lc.max_entries, (double)n / lc.leaves);
 }
 
 /*
@@ -1430,6 +1503,9 @@ int main(int argc, char **argv)
 	test_callback_failures();
 	test_io_failures();
 	test_enospc();
+	for (v = 0; v < ARRAY_SIZE(vts); v++)
+		for (o = SEQUENTIAL; o <= RANDOM; o++)
+			test_density(&vts[v], o);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		test_shared(&vts[v]);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
