@@ -18,6 +18,17 @@
  * only the entries within the device (as thin_restore does) would hide
  * blocks from dm-thin once it grows a pool of ours.
  *
+ * So an entry read from disk may count fewer free entries than its
+ * bitmap has: one written by thin_restore and then grown by dm-thin
+ * does.  Taking one off such a count for every block that goes in use
+ * would wrap it below zero, and the next open would refuse the map; and
+ * a count of zero would hide the bitmap's free blocks from allocation.
+ * Hence a bitmap's count is taken from the bitmap itself (recounted)
+ * the first time the bitmap changes after the map is opened, and,
+ * before allocation gives up, for every bitmap whose count says it is
+ * full; from then on it is exact.  A count we wrote, or recounted, is
+ * exact; one read from disk is trusted only as an allocation hint.
+ *
  * Locking: none; the caller serialises.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
@@ -38,6 +49,7 @@ struct tsp_data_sm {
 	struct tsp_index_entry *index;		/* now */
 	struct tsp_index_entry *committed;	/* at the last commit */
 	u8 *dirty;				/* index entry changed */
+	u8 *counted;				/* nr_free known exact */
 	/*
 	 * Where allocation searches first: below it in its bitmap every
 	 * block was in use or freed in this transaction, so searching there
@@ -78,22 +90,32 @@ static struct tsp_data_sm *sm_alloc(struct tsp_tm *tm)
 	return sm;
 }
 
+/* Set bitmap @i's nr_free to the free entries of its bitmap block @data. */
+static void count_free_from(struct tsp_data_sm *sm, u64 i, void *data)
+{
+	u32 first_free, nr_free;
+
+	nr_free = tsp_bitmap_count_free(data, TSP_ENTRIES_PER_BITMAP,
+					&first_free);
+	if (sm->index[i].nr_free != nr_free) {
+		sm->index[i].nr_free = nr_free;
+		sm->dirty[i] = 1;
+	}
+	sm->counted[i] = 1;
+}
+
 /* Set bitmap @i's nr_free to the free entries in its bitmap block. */
 static int recount_free(struct tsp_data_sm *sm, u64 i)
 {
 	struct tsp_block *blk;
-	u32 first_free;
 	int r;
 
 	r = tsp_tm_read_lock(sm->tm, sm->index[i].blocknr, &tsp_bitmap_validator,
 			     &blk);
 	if (r)
 		return r;
-	sm->index[i].nr_free = tsp_bitmap_count_free(tsp_block_data(blk),
-						     TSP_ENTRIES_PER_BITMAP,
-						     &first_free);
+	count_free_from(sm, i, tsp_block_data(blk));
 	tsp_tm_unlock(sm->tm, blk);
-	sm->dirty[i] = 1;
 	return 0;
 }
 
@@ -101,28 +123,33 @@ static int recount_free(struct tsp_data_sm *sm, u64 i)
 static int resize_index(struct tsp_data_sm *sm, u64 nr)
 {
 	struct tsp_index_entry *index, *committed;
-	u8 *dirty;
+	u8 *dirty, *counted;
 
 	index = kvcalloc(nr, sizeof(*index), GFP_KERNEL);
 	committed = kvcalloc(nr, sizeof(*committed), GFP_KERNEL);
 	dirty = kvzalloc(nr, GFP_KERNEL);
-	if (!index || !committed || !dirty) {
+	counted = kvzalloc(nr, GFP_KERNEL);
+	if (!index || !committed || !dirty || !counted) {
 		kvfree(index);
 		kvfree(committed);
 		kvfree(dirty);
+		kvfree(counted);
 		return -ENOMEM;
 	}
 	if (sm->index) {
 		memcpy(index, sm->index, sm->nr_bitmaps * sizeof(*index));
 		memcpy(committed, sm->committed, sm->nr_bitmaps * sizeof(*committed));
 		memcpy(dirty, sm->dirty, sm->nr_bitmaps);
+		memcpy(counted, sm->counted, sm->nr_bitmaps);
 		kvfree(sm->index);
 		kvfree(sm->committed);
 		kvfree(sm->dirty);
+		kvfree(sm->counted);
 	}
 	sm->index = index;
 	sm->committed = committed;
 	sm->dirty = dirty;
+	sm->counted = counted;
 	sm->nr_bitmaps = nr;
 	return 0;
 }
@@ -132,6 +159,7 @@ void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 	kvfree(sm->index);
 	kvfree(sm->committed);
 	kvfree(sm->dirty);
+	kvfree(sm->counted);
 	kfree(sm);
 }
 
@@ -179,6 +207,7 @@ int tsp_data_sm_extend(struct tsp_data_sm *sm, tsp_block_t nr_blocks)
 		sm->index[i].nr_free = TSP_ENTRIES_PER_BITMAP;
 		sm->index[i].none_free_before = 0;
 		sm->dirty[i] = 1;
+		sm->counted[i] = 1;
 		tsp_tm_unlock(sm->tm, blk);
 	}
 	sm->nr_blocks = nr_blocks;
@@ -352,10 +381,16 @@ int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
 	return r;
 }
 
-/* Change @b's count from @old to @count in bitmap, index and overflow. */
+/*
+ * Change @b's count from @old to @count in bitmap, index and overflow.
+ * Every change of the bitmap's free entries changes the bitmap block:
+ * the first one after open recounts them, so nr_free is exact before it
+ * is changed by one.
+ */
 static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 {
-	struct tsp_index_entry *ie = &sm->index[b / TSP_ENTRIES_PER_BITMAP];
+	u64 i = b / TSP_ENTRIES_PER_BITMAP;
+	struct tsp_index_entry *ie = &sm->index[i];
 	u32 pos = b % TSP_ENTRIES_PER_BITMAP;
 	struct tsp_block *blk;
 	bool inc;
@@ -367,9 +402,11 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 		if (r)
 			return r;
 		ie->blocknr = tsp_block_location(blk);
+		if (!sm->counted[i])
+			count_free_from(sm, i, tsp_block_data(blk));
 		tsp_bitmap_set(tsp_block_data(blk), pos, min(count, 3u));
 		tsp_tm_unlock(sm->tm, blk);
-		sm->dirty[b / TSP_ENTRIES_PER_BITMAP] = 1;
+		sm->dirty[i] = 1;
 	}
 
 	if (!old && count) {
@@ -462,15 +499,8 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start,
 	return r;
 }
 
-/**
- * tsp_data_sm_new_block - allocate a data block
- * @sm: space map
- * @b: out, a block whose count is now 1
- *
- * Returns 0 or -ENOSPC.  Cost: the index is scanned from where the last
- * allocation succeeded, reading the bitmaps that have free entries.
- */
-int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
+/* One pass over the bitmaps with free entries, from the cursor. */
+static int find_free(struct tsp_data_sm *sm, tsp_block_t *b)
 {
 	u64 first = sm->nr_bitmaps ? sm->alloc_cursor / TSP_ENTRIES_PER_BITMAP : 0;
 	u64 k, i;
@@ -483,19 +513,64 @@ int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
 			continue;
 		start = k ? 0 : sm->alloc_cursor % TSP_ENTRIES_PER_BITMAP;
 		r = find_free_in(sm, i, start, b);
-		if (r == -ENOSPC)
-			continue;
-		if (r)
+		if (r != -ENOSPC)
 			return r;
-		sm->alloc_cursor = *b + 1;
-		return set_count(sm, *b, 0, 1);
-	}
-	if (sm->alloc_cursor) {
-		/* Blocks allocated and freed since may be reused: look again. */
-		sm->alloc_cursor = 0;
-		return tsp_data_sm_new_block(sm, b);
 	}
 	return -ENOSPC;
+}
+
+/*
+ * Recount every bitmap whose count, as read from disk, says it is full.
+ * Returns 1 if one of them has free entries after all, 0 if none has,
+ * or an IO error.
+ */
+static int recount_full(struct tsp_data_sm *sm)
+{
+	int r, found = 0;
+	u64 i;
+
+	for (i = 0; i < sm->nr_bitmaps; i++) {
+		if (sm->counted[i] || sm->index[i].nr_free)
+			continue;
+		r = recount_free(sm, i);
+		if (r)
+			return r;
+		if (sm->index[i].nr_free)
+			found = 1;
+	}
+	return found;
+}
+
+/**
+ * tsp_data_sm_new_block - allocate a data block
+ * @sm: space map
+ * @b: out, a block whose count is now 1
+ *
+ * Returns 0 or -ENOSPC.  Cost: the index is scanned from where the last
+ * allocation succeeded, reading the bitmaps that have free entries.
+ * Before -ENOSPC, the bitmaps said to be full whose counts were read
+ * from disk are recounted, once after open.
+ */
+int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
+{
+	int r = find_free(sm, b);
+
+	if (r == -ENOSPC && sm->alloc_cursor) {
+		/* Blocks allocated and freed since may be reused: look again. */
+		sm->alloc_cursor = 0;
+		r = find_free(sm, b);
+	}
+	if (r == -ENOSPC) {
+		r = recount_full(sm);
+		if (r > 0)
+			r = find_free(sm, b);
+		else if (!r)
+			r = -ENOSPC;
+	}
+	if (r)
+		return r;
+	sm->alloc_cursor = *b + 1;
+	return set_count(sm, *b, 0, 1);
 }
 
 /**
@@ -541,8 +616,8 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
  * (dm-thin and we do) or not (thin_restore); it may also be lower than
  * the free entries in the device: dm-thin growing a pool leaves the
  * last bitmap's count alone, so a bitmap written by thin_restore and
- * then grown by dm-thin undercounts for good (thin_check 0.9.0 reads
- * neither field).  It must not be higher than the free entries of the
+ * then grown by dm-thin undercounts until we recount it (thin_check
+ * 0.9.0 reads neither field).  It must not be higher than the free entries of the
  * whole bitmap block: no writer gets there, and counting frees on top
  * of it would soon make the entry one that cannot be opened.  Every
  * entry below none_free_before must be in use.

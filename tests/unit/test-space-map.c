@@ -14,7 +14,10 @@
  * dec of a free block and blocks beyond the end are errors; extend keeps
  * the counts; commit and reopen from the root (tsp_data_sm_open) give the
  * same counts, and dropping a transaction gives the committed ones;
- * allocation failures in create, open and extend fail cleanly.
+ * allocation failures in create, open and extend fail cleanly; an index
+ * entry counting fewer free entries than its bitmap has (as dm-thin
+ * growing a pool restored by thin_restore leaves it) neither wraps below
+ * zero nor hides free blocks from allocation.
  *
  * Usage: test-space-map [seed]; the seed (also $TSP_SEED) is printed.
  * Exit status 0 pass, 1 fail.
@@ -23,6 +26,8 @@
  */
 #define DM_MSG_PREFIX "space-map-test"
 #include "persistent-data/space-map.h"
+#include "persistent-data/space-map-format.h"
+#include "persistent-data/btree.h"
 
 #include <fcntl.h>
 #include <inttypes.h>
@@ -623,6 +628,97 @@ static void test_extend(void)
 	printf("ok   %s\n", phase);
 }
 
+/*
+ * Set bitmap @i's nr_free in the committed index, as a foreign writer
+ * may have left it: patch its index btree entry (a single leaf here) in
+ * place, the block manager resealing its checksum, and reopen.
+ */
+static u64 le_at(const u8 *p, unsigned int size)
+{
+	u64 v = 0;
+
+	while (size--)
+		v = v << 8 | p[size];
+	return v;
+}
+
+static void set_index_nr_free(struct ctx *c, u64 i, u32 nr_free)
+{
+	struct tsp_disk_index_entry *ie;
+	struct tsp_disk_sm_root root;
+	struct tsp_block *b;
+	u32 max, nr, k;
+	u8 *n;
+
+	close_all(c);
+	c->bm = tsp_bm_create(c->bdev, 16);
+	CHECK(!IS_ERR(c->bm));
+	CHECK_R(tsp_bm_read_lock(c->bm, SB_LOCATION, &sb_validator, &b), 0);
+	memcpy(&root, ((struct test_sb *)tsp_block_data(b))->data_sm_root,
+	       sizeof(root));
+	tsp_bm_unlock(b);
+
+	CHECK_R(tsp_bm_write_lock(c->bm, le64_to_cpu(root.bitmap_root),
+				  &tsp_btree_node_validator, &b), 0);
+	/* Node header: flags at 4, nr_entries at 16, max_entries at 20. */
+	n = tsp_block_data(b);
+	CHECK(le_at(n + 4, 4) == 2);		/* a leaf */
+	nr = (u32)le_at(n + 16, 4);
+	max = (u32)le_at(n + 20, 4);
+	for (k = 0; k < nr && le_at(n + 32 + 8 * k, 8) != i; k++)
+		;
+	CHECK(k < nr);
+	ie = (struct tsp_disk_index_entry *)(n + 32 + 8 * max) + k;
+	ie->nr_free = cpu_to_le32(nr_free);
+	tsp_bm_unlock(b);
+	CHECK_R(tsp_bm_flush(c->bm), 0);
+	close_all(c);
+	CHECK_R(try_open(c), 0);
+}
+
+/*
+ * An index entry whose nr_free is below the free entries of its bitmap
+ * (thin_restore counts only those within the device, and dm-thin leaves
+ * the count of the last bitmap alone when it grows the device) must
+ * neither wrap below zero as blocks of the bitmap go in use, which would
+ * make the next open refuse the map, nor hide the bitmap's free blocks
+ * from allocation.
+ */
+static void test_low_nr_free(void)
+{
+	tsp_block_t nr = ENTRIES_PER_BITMAP + 100, b;
+	struct ctx *c = ctx_create(1024, nr);
+	u32 k;
+
+	phase = "index entry counting too few free entries";
+	for (b = 0; b < ENTRIES_PER_BITMAP; b++)
+		CHECK_R(op_inc(c, b), 0);
+	commit(c);
+
+	/* Restore-like increments of free blocks: five, with nr_free 2. */
+	set_index_nr_free(c, 1, 2);
+	verify(c);
+	for (k = 0; k < 5; k++)
+		CHECK_R(op_inc(c, ENTRIES_PER_BITMAP + 10 * k), 0);
+	verify(c);
+	commit(c);
+	reopen(c);
+	verify(c);
+
+	/* Allocation finds the free blocks of a bitmap that says it has none. */
+	set_index_nr_free(c, 1, 0);
+	verify(c);
+	while (tsp_data_sm_nr_free(c->sm))
+		CHECK_R(op_new(c, &b), 0);
+	CHECK_R(op_new(c, &b), -ENOSPC);
+	verify(c);
+	commit(c);
+	reopen(c);
+	verify(c);
+	ctx_destroy(c);
+	printf("ok   %s\n", phase);
+}
+
 /* Allocation failures in create, open and extend. */
 static void test_alloc_failures(void)
 {
@@ -699,6 +795,7 @@ int main(int argc, char **argv)
 	test_reuse_in_transaction();
 	test_full();
 	test_extend();
+	test_low_nr_free();
 	test_alloc_failures();
 	test_model();
 
