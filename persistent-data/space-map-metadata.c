@@ -36,7 +36,8 @@ struct tsp_metadata_sm {
 	tsp_block_t index_loc;		/* 0: none yet */
 	tsp_block_t ref_count_root;	/* 0: none yet */
 	bool overflow_dirty;	/* a count >= 3 changed */
-	tsp_block_t nr_allocated;
+	tsp_block_t nr_allocated;	/* blocks with a count */
+	tsp_block_t nr_freed;	/* no count now, but in use at the last commit */
 	tsp_block_t alloc_hint;
 };
 
@@ -125,11 +126,7 @@ tsp_block_t tsp_msm_nr_blocks(struct tsp_metadata_sm *sm)
 /* Blocks that can be allocated now. */
 tsp_block_t tsp_msm_nr_free(struct tsp_metadata_sm *sm)
 {
-	tsp_block_t b, nr = 0;
-
-	for (b = 0; b < sm->nr_blocks; b++)
-		nr += !sm->counts[b] && !sm->committed[b];
-	return nr;
+	return sm->nr_blocks - sm->nr_allocated - sm->nr_freed;
 }
 
 u32 tsp_msm_count(struct tsp_metadata_sm *sm, tsp_block_t b)
@@ -150,10 +147,13 @@ static void set_count(struct tsp_metadata_sm *sm, tsp_block_t b, u32 count)
 		sm->dirty[b / TSP_ENTRIES_PER_BITMAP] = 1;
 	if (old != count && (old >= 3 || count >= 3))
 		sm->overflow_dirty = true;
-	if (!old && count)
+	if (!old && count) {
 		sm->nr_allocated++;
-	else if (old && !count)
+		sm->nr_freed -= sm->committed[b];
+	} else if (old && !count) {
 		sm->nr_allocated--;
+		sm->nr_freed += sm->committed[b];
+	}
 	sm->counts[b] = count;
 }
 
@@ -511,6 +511,7 @@ void tsp_msm_committed(struct tsp_metadata_sm *sm)
 
 	for (b = 0; b < sm->nr_blocks; b++)
 		sm->committed[b] = !!sm->counts[b];
+	sm->nr_freed = 0;
 }
 
 /**
