@@ -1582,6 +1582,18 @@ void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd)
 	up_write(&pmd->root_lock);
 }
 
+/*
+ * Undo tsp_pool_metadata_read_only().  The caller knows the in-core
+ * metadata is sound: read-only was asked for, no operation failed.
+ */
+void tsp_pool_metadata_read_write(struct tsp_pool_metadata *pmd)
+{
+	down_write(&pmd->root_lock);
+	pmd->read_only = false;
+	tsp_bm_set_read_write(pmd->bm);
+	up_write(&pmd->root_lock);
+}
+
 int tsp_pool_metadata_set_needs_check(struct tsp_pool_metadata *pmd)
 {
 	int r;

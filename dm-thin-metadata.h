@@ -247,6 +247,7 @@ int __must_check tsp_pool_resize_metadata_dev(struct tsp_pool_metadata *pmd,
 
 /* Refuse every further update (read-only pool mode). */
 void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd);
+void tsp_pool_metadata_read_write(struct tsp_pool_metadata *pmd);
 /* Set the needs_check flag in the superblock and commit it. */
 int __must_check tsp_pool_metadata_set_needs_check(struct tsp_pool_metadata *pmd);
 bool tsp_pool_metadata_needs_check(struct tsp_pool_metadata *pmd);

@@ -406,6 +406,8 @@ static void set_pool_mode(struct pool *pool, enum pool_mode mode)
 
 	if (mode >= PM_READ_ONLY)
 		tsp_pool_metadata_read_only(pool->pmd);
+	else if (old == PM_READ_ONLY)
+		tsp_pool_metadata_read_write(pool->pmd);
 	if (mode == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
 	    no_space_timeout_secs)
 		queue_delayed_work(pool->wq, &pool->no_space_timeout,
@@ -1555,7 +1557,7 @@ static int pool_preresume(struct dm_target *ti)
 		if (pt->requested_pf.mode == PM_READ_ONLY)
 			set_pool_mode(pool, PM_READ_ONLY);
 		else if (pool_mode(pool) == PM_READ_ONLY)
-			DMWARN("%s: pool stays read-only", dm_device_name(pool->pool_md));
+			set_pool_mode(pool, PM_WRITE);	/* no needs_check */
 	}
 
 	if (pool_mode(pool) < PM_READ_ONLY) {

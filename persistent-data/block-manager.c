@@ -242,6 +242,11 @@ void tsp_bm_set_read_only(struct tsp_block_manager *bm)
 	bm->read_only = true;
 }
 
+void tsp_bm_set_read_write(struct tsp_block_manager *bm)
+{
+	bm->read_only = false;
+}
+
 bool tsp_bm_is_read_only(struct tsp_block_manager *bm)
 {
 	return bm->read_only;

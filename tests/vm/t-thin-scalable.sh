@@ -619,6 +619,33 @@ test_no_space() {
 	teardown_pool
 }
 
+# --- 8b. read-only by table reload, and back -------------------------------
+
+# lvm2 switches a pool between read-only and writable by reloading it.
+test_read_only_reload() {
+	local t=/dev/mapper/tss-thin0
+	need_targets
+	make_pool 64 0
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 4M /dev/urandom >a
+	write_file a $t 0
+	reload_pool 64 1 read_only
+	assert_eq ro "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after reloading read_only"
+	expect_fail dmsetup message tss-pool 0 "create_thin 1"
+	expect_fail dd if=a of=$t bs=1M seek=8 count=1 oflag=direct conv=notrunc status=none
+	assert_eq "$(file_sha a)" "$(dev_sha $t 0 4)" "data of a read-only pool"
+	reload_pool 64 0
+	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after reloading writable"
+	dm_message tss-pool "create_thin 1"
+	dd if=a of=$t bs=1M seek=8 count=4 oflag=direct conv=notrunc status=none ||
+		fail "provisioning after the pool became writable again failed"
+	assert_eq "$(file_sha a)" "$(dev_sha $t 8 4)" "data written after the pool became writable"
+	assert_eq 128 "$(pool_used tss-pool)" "blocks used"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
 # --- 9. concurrency and integrity -------------------------------------------
 
 test_concurrent_fio_snapshot() {
@@ -760,6 +787,7 @@ run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_no_space test_no_space
+run_test thin_scalable_read_only_reload test_read_only_reload
 run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
 run_test thin_scalable_metadata_space test_metadata_space
 summary
