@@ -982,6 +982,20 @@ static void test_shared_ranges(void)
 	       "parents, resealed (%lu cases)", nr_cases - c0);
 }
 
+/* Add @delta to nr_free of entry @entry of data space map index node @b. */
+static void nr_free_add(struct damage *d, u64 b, unsigned int entry, int delta,
+			const char *what, enum expect e)
+{
+	u8 *p;
+
+	damage_init(d);
+	p = damage_block(d, b);
+	put_le32(p, node_value_off(p, entry) + 8,
+		 get_le32(p, node_value_off(p, entry) + 8) + delta);
+	reseal(p, SALT_NODE);
+	try_damage(what, d, e, false, CASE_TIMEOUT);
+}
+
 /* Value damage in leaves: mappings, details, index entries. */
 static void test_value_damage(void)
 {
@@ -1072,39 +1086,15 @@ static void test_value_damage(void)
 	 */
 	b = find_node(TK_DATA_INDEX, true, 2);
 	if (CHECK(b != ~0ull)) {
-		damage_init(d);
-		p = damage_block(d, b);
-		put_le32(p, node_value_off(p, 0) + 8,
-			 get_le32(p, node_value_off(p, 0) + 8) - 1);
-		reseal(p, SALT_NODE);
-		try_damage("data index entry: nr_free - 1", d, REFUSE_OR_VALID,
-			   false, CASE_TIMEOUT);
-
-		damage_init(d);
-		p = damage_block(d, b);
-		put_le32(p, node_value_off(p, 0) + 8,
-			 get_le32(p, node_value_off(p, 0) + 8) + 1);
-		reseal(p, SALT_NODE);
-		try_damage("data index entry: nr_free + 1", d, MUST_REFUSE,
-			   false, CASE_TIMEOUT);
-
-		damage_init(d);
-		p = damage_block(d, b);
-		put_le32(p, node_value_off(p, 1) + 8,
-			 get_le32(p, node_value_off(p, 1) + 8) + 1);
-		reseal(p, SALT_NODE);
-		try_damage("last data index entry: nr_free + 1", d, MUST_REFUSE,
-			   false, CASE_TIMEOUT);
-
-		damage_init(d);
-		p = damage_block(d, b);
-		put_le32(p, node_value_off(p, 1) + 8,
-			 get_le32(p, node_value_off(p, 1) + 8) -
-			 (BITMAP_ENTRIES - (NR_DATA - BITMAP_ENTRIES)));
-		reseal(p, SALT_NODE);
-		try_damage("last data index entry: nr_free without the entries "
-			   "past the end (thin_restore's count)", d,
-			   REFUSE_OR_VALID, false, CASE_TIMEOUT);
+		nr_free_add(d, b, 0, -1, "data index entry: nr_free - 1",
+			    REFUSE_OR_VALID);
+		nr_free_add(d, b, 0, 1, "data index entry: nr_free + 1",
+			    MUST_REFUSE);
+		nr_free_add(d, b, 1, 1, "last data index entry: nr_free + 1",
+			    MUST_REFUSE);
+		nr_free_add(d, b, 1, -(BITMAP_ENTRIES - (NR_DATA - BITMAP_ENTRIES)),
+			    "last data index entry: nr_free without the entries "
+			    "past the end (thin_restore's count)", REFUSE_OR_VALID);
 
 		damage_init(d);
 		p = damage_block(d, b);
