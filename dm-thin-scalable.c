@@ -13,9 +13,9 @@
  *               table (reload) of the same pool mapped device
  *   thin        a virtual device mapped onto pool blocks (struct thin_c)
  *   block       a data block of sectors_per_block sectors
- *   job         the provisioning of one virtual block: zeroing or copying
- *               a new data block (or letting a full-block write fill it),
- *               then inserting the mapping
+ *   job         the provisioning of one virtual block: copying into a new
+ *               data block, or letting the bio write its part while the
+ *               rest is zeroed, then inserting the mapping
  *   epoch       a per-CPU count of IOs remapped to data blocks, in two
  *               generations; see "Deferred free" below
  *
@@ -26,9 +26,9 @@
  *   - Everything else goes on this CPU's deferred list (an llist) and the
  *     pool's worker is kicked.  The worker drains every CPU's list,
  *     serialises bios per block through its table of running jobs,
- *     provisions (zeroing with dm-kcopyd unless the bio overwrites the
- *     whole block or zeroing is off), breaks sharing (copying with
- *     dm-kcopyd), unmaps discarded blocks, and commits.
+ *     provisions (the bio writes its part of the new block while zeroing
+ *     bios write the rest, unless zeroing is off), breaks sharing
+ *     (copying with dm-kcopyd), unmaps discarded blocks, and commits.
  *
  * Deferred free: a data block unmapped by a discard is freed in the
  * current metadata transaction, and the data space map does not hand out
@@ -147,6 +147,7 @@ struct pool {
 
 	struct tsp_pool_metadata *pmd;
 	struct dm_kcopyd_client *copier;
+	struct bio_set zero_bios;		/* zeroing new blocks */
 	struct workqueue_struct *wq;
 	struct work_struct worker;
 	struct delayed_work waker;
@@ -230,7 +231,7 @@ struct job {
 	tsp_block_t virt;
 	tsp_block_t data_block;
 	struct bio *bio;		/* issued once the mapping exists */
-	bool bio_wrote_block;		/* @bio itself filled the block */
+	bool bio_wrote_block;		/* @bio went first, with any zeroing */
 	struct bio_list waiting;	/* later bios for the same block */
 	atomic_t pending;		/* IOs filling the block */
 	int err;			/* of the first IO that failed */
@@ -686,6 +687,7 @@ static void overwrite_endio(struct bio *bio)
 	job_io_done(job, blk_status_to_errno(bio->bi_status));
 }
 
+/* Issue @job's bio to its new block before the block is mapped. */
 static void start_overwrite(struct pool *pool, struct job *job)
 {
 	struct bio *bio = job->bio;
@@ -697,6 +699,61 @@ static void start_overwrite(struct pool *pool, struct job *job)
 	bio->bi_end_io = overwrite_endio;
 	bio->bi_private = job;
 	issue_remapped(pool, bio, job->data_block);
+}
+
+static void zero_endio(struct bio *bio)
+{
+	struct job *job = bio->bi_private;
+	int err = blk_status_to_errno(bio->bi_status);
+
+	bio_put(bio);
+	job_io_done(job, err);
+}
+
+/*
+ * Write zeroes to @nr sectors of the data device from @sector, as IOs of
+ * @job.  Worker only; may sleep for a bio.
+ */
+static void zero_range(struct pool *pool, struct job *job, sector_t sector,
+		       sector_t nr)
+{
+	struct bio *bio;
+	sector_t len;
+
+	while (nr) {
+		bio = bio_alloc_bioset(pool->data_bdev,
+				       min_t(sector_t, DIV_ROUND_UP(nr, PAGE_SECTORS),
+					     BIO_MAX_VECS),
+				       REQ_OP_WRITE, GFP_NOIO, &pool->zero_bios);
+		bio->bi_iter.bi_sector = sector;
+		bio->bi_end_io = zero_endio;
+		bio->bi_private = job;
+		do {
+			len = min_t(sector_t, nr, PAGE_SECTORS);
+			if (!bio_add_page(bio, ZERO_PAGE(0), len << SECTOR_SHIFT, 0))
+				break;
+			sector += len;
+			nr -= len;
+		} while (nr);
+		atomic_inc(&job->pending);
+		submit_bio_noacct(bio);
+	}
+}
+
+/*
+ * Provision for a bio that writes part of a new block: zero the rest of
+ * the block while the bio writes its part; map the block when all are done.
+ */
+static void zero_around(struct pool *pool, struct job *job)
+{
+	sector_t start = job->data_block * pool->sectors_per_block;
+	sector_t begin = block_offset(pool, job->bio->bi_iter.bi_sector);
+	sector_t end = begin + bio_sectors(job->bio);
+
+	/* Before the bio: job->pending counts it already, so the job waits. */
+	zero_range(pool, job, start, begin);
+	zero_range(pool, job, start + end, pool->sectors_per_block - end);
+	start_overwrite(pool, job);
 }
 
 static struct dm_io_region block_region(struct pool *pool, tsp_block_t b)
@@ -722,17 +779,12 @@ static void copy_from_origin(struct thin_c *tc, struct job *job)
 		.bdev = tc->origin_dev->bdev,
 		.sector = job->virt * pool->sectors_per_block,
 	};
-	struct dm_io_region tail;
 
 	from.count = min_t(sector_t, pool->sectors_per_block,
 			   tc->origin_size - from.sector);
-	if (from.count < to.count && pool->pf.zero_new_blocks) {
-		tail = to;
-		tail.sector += from.count;
-		tail.count -= from.count;
-		atomic_inc(&job->pending);
-		dm_kcopyd_zero(pool->copier, 1, &tail, 0, kcopyd_done, job);
-	}
+	if (pool->pf.zero_new_blocks)
+		zero_range(pool, job, to.sector + from.count,
+			   to.count - from.count);
 	to.count = from.count;
 	dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
 }
@@ -916,8 +968,9 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 
 /*
  * A write to an unmapped block (@old_block == NULL) or to a shared one:
- * get a new block filled by the bio itself, by zeroing, by copying the
- * shared block or the external origin, then map it (finish_job).
+ * get a new block filled by the bio itself (with zeroing around it), or by
+ * copying the shared block or the external origin, then map it
+ * (finish_job).
  */
 static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		      const tsp_block_t *old_block)
@@ -951,7 +1004,7 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		   virt * pool->sectors_per_block < tc->origin_size) {
 		copy_from_origin(tc, job);
 	} else if (pool->pf.zero_new_blocks) {
-		dm_kcopyd_zero(pool->copier, 1, &to, 0, kcopyd_done, job);
+		zero_around(pool, job);
 	} else {
 		job_io_done(job, 0);
 	}
@@ -1173,6 +1226,7 @@ static void pool_destroy(struct pool *pool)
 		dm_kcopyd_client_destroy(pool->copier);
 	if (pool->wq)
 		destroy_workqueue(pool->wq);
+	bioset_exit(&pool->zero_bios);
 	free_percpu(pool->deferred);
 	free_percpu(pool->epoch);
 	free_percpu(pool->stats);
@@ -1238,6 +1292,12 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	for_each_possible_cpu(cpu)
 		init_llist_head(per_cpu_ptr(pool->deferred, cpu));
 
+	r = bioset_init(&pool->zero_bios, BIO_POOL_SIZE, 0, BIOSET_NEED_BVECS);
+	if (r) {
+		*error = "Error creating pool's bio set";
+		goto bad;
+	}
+	r = -ENOMEM;
 	pool->wq = alloc_ordered_workqueue("tsp-" DM_MSG_PREFIX, WQ_MEM_RECLAIM);
 	if (!pool->wq) {
 		*error = "Error creating pool's workqueue";

@@ -334,23 +334,25 @@ test_discard_isolation() {
 	assert_eq "256/256" "$(dm_status tss-pool | cut -d' ' -f3)" "a full pool"
 
 	# Discard half of A, and at once (no status, which would commit)
-	# write 4 KiB into each of 128 blocks of B (fio: 4k written, 60k
-	# skipped), verified by fio.
+	# write 4 KiB at 8 KiB into each of 128 blocks of B (fio: 4k written,
+	# 60k skipped), verified by fio.  Both sides of it must be zeroed.
 	log "before the discard: $(dm_status tss-pool)"
 	blkdiscard -o 0 -l $((8 << 20)) $a
-	run_fio holes --filename=$b --rw=write:60k --bs=4k --size=8M \
+	run_fio holes --filename=$b --rw=write:60k --bs=4k --offset=8k --size=8M \
 		--verify=crc32c --verify_fatal=1 --do_verify=1
 	sync
 	assert_eq "256/256" "$(dm_status tss-pool | cut -d' ' -f3)" "the pool is full again"
-	# The 60k after each 4k written is zeroes, not A's old data.
+	# The 8k before and 52k after each 4k written are zeroes, not A's
+	# old data.
 	dd if=$b of=b.img bs=1M count=8 iflag=direct status=none
 	perl -e '
 		open(my $f, "<:raw", $ARGV[0]) or die "$ARGV[0]: $!";
 		my $bad = 0;
 		for my $i (0 .. 127) {
 			read($f, my $blk, 65536) == 65536 or die "short read";
-			if (substr($blk, 0, 4096) =~ /^\0*$/) { print "block $i: the 4k written read as zeroes\n"; $bad++; }
-			if (substr($blk, 4096) =~ /[^\0]/) { print "block $i: not zeroes after the 4k written\n"; $bad++; }
+			if (substr($blk, 0, 8192) =~ /[^\0]/) { print "block $i: not zeroes before the 4k written\n"; $bad++; }
+			if (substr($blk, 8192, 4096) =~ /^\0*$/) { print "block $i: the 4k written read as zeroes\n"; $bad++; }
+			if (substr($blk, 12288) =~ /[^\0]/) { print "block $i: not zeroes after the 4k written\n"; $bad++; }
 		}
 		exit($bad ? 1 : 0);' b.img || fail "B's new blocks are not zeroed (data leaked from A?)"
 	assert_eq "$(part_sha pa 8 8)" "$(dev_sha $a 8 8)" "A's remaining data"
