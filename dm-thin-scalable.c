@@ -1133,11 +1133,10 @@ static void process_bio(struct thin_c *tc, struct bio *bio)
 
 	r = tsp_thin_find_block(tc->td, virt, &result);
 	if (r == -ENODATA) {
-		if (bio_data_dir(bio) == READ) {
+		if (bio_data_dir(bio) == READ)
 			read_unprovisioned(tc, bio);
-		} else {
+		else
 			provision(tc, bio, virt, NULL);
-		}
 		return;
 	}
 	if (r) {
