@@ -32,6 +32,14 @@ struct tsp_metadata_sm {
 	u32 *counts;
 	u8 *committed;		/* in use at the last commit */
 	u8 dirty[TSP_MAX_METADATA_BITMAPS];	/* 2-bit counts changed */
+	/*
+	 * Per bitmap, a count went from or to zero since its index entry
+	 * was counted (recount) or since committed[] was brought up to date
+	 * for it (uncommitted): only such bitmaps are scanned at commit.
+	 */
+	u8 recount[TSP_MAX_METADATA_BITMAPS];
+	u8 uncommitted[TSP_MAX_METADATA_BITMAPS];
+	struct tsp_index_entry entries[TSP_MAX_METADATA_BITMAPS];
 	tsp_block_t bitmap_locs[TSP_MAX_METADATA_BITMAPS];	/* 0: none yet */
 	tsp_block_t index_loc;		/* 0: none yet */
 	tsp_block_t ref_count_root;	/* 0: none yet */
@@ -81,6 +89,8 @@ static int alloc_arrays(struct tsp_metadata_sm *sm, tsp_block_t nr_blocks)
 	sm->counts = counts;
 	sm->committed = committed;
 	sm->nr_blocks = nr_blocks;
+	memset(sm->recount, 1, sizeof(sm->recount));
+	memset(sm->uncommitted, 1, sizeof(sm->uncommitted));
 	return 0;
 }
 
@@ -142,11 +152,16 @@ bool tsp_msm_is_new(struct tsp_metadata_sm *sm, tsp_block_t b)
 static void set_count(struct tsp_metadata_sm *sm, tsp_block_t b, u32 count)
 {
 	u32 old = sm->counts[b];
+	u32 i = b / TSP_ENTRIES_PER_BITMAP;
 
 	if (min(old, 3u) != min(count, 3u))
 		sm->dirty[b / TSP_ENTRIES_PER_BITMAP] = 1;
 	if (old != count && (old >= 3 || count >= 3))
 		sm->overflow_dirty = true;
+	if (!old != !count) {
+		sm->recount[i] = 1;
+		sm->uncommitted[i] = 1;
+	}
 	if (!old && count) {
 		sm->nr_allocated++;
 		sm->nr_freed -= sm->committed[b];
@@ -401,21 +416,42 @@ static int relocate(struct tsp_metadata_sm *sm, struct tsp_tm *tm,
 	return 0;
 }
 
+/**
+ * tsp_msm_index_entry - the index entry of bitmap @i, as a commit writes it
+ * @sm: space map
+ * @i: bitmap, below the number of bitmaps
+ * @ie: out
+ *
+ * The free count and first free entry are counted again only if a count
+ * in the bitmap went from or to zero since they were last counted.
+ */
+void tsp_msm_index_entry(struct tsp_metadata_sm *sm, u32 i,
+			 struct tsp_index_entry *ie)
+{
+	struct tsp_index_entry *e = &sm->entries[i];
+	u32 j, nr = bitmap_entries(sm, i);
+
+	if (sm->recount[i]) {
+		e->nr_free = 0;
+		e->none_free_before = nr;
+		for (j = 0; j < nr; j++) {
+			if (!sm->counts[bitmap_first(i) + j]) {
+				e->nr_free++;
+				e->none_free_before = min(e->none_free_before, j);
+			}
+		}
+		sm->recount[i] = 0;
+	}
+	e->blocknr = sm->bitmap_locs[i];
+	*ie = *e;
+}
+
 static void pack_index_entry(struct tsp_metadata_sm *sm, u32 i,
 			     struct tsp_disk_index_entry *disk)
 {
-	u32 j, nr = bitmap_entries(sm, i);
-	struct tsp_index_entry ie = {
-		.blocknr = sm->bitmap_locs[i],
-		.none_free_before = nr,
-	};
+	struct tsp_index_entry ie;
 
-	for (j = 0; j < nr; j++) {
-		if (!sm->counts[bitmap_first(i) + j]) {
-			ie.nr_free++;
-			ie.none_free_before = min(ie.none_free_before, j);
-		}
-	}
+	tsp_msm_index_entry(sm, i, &ie);
 	tsp_index_entry_pack(&ie, disk);
 }
 
@@ -508,9 +544,15 @@ int tsp_msm_commit(struct tsp_metadata_sm *sm, struct tsp_tm *tm, void *root)
 void tsp_msm_committed(struct tsp_metadata_sm *sm)
 {
 	tsp_block_t b;
+	u32 i;
 
-	for (b = 0; b < sm->nr_blocks; b++)
-		sm->committed[b] = !!sm->counts[b];
+	for (i = 0; i < nr_bitmaps(sm->nr_blocks); i++) {
+		if (!sm->uncommitted[i])
+			continue;
+		for (b = bitmap_first(i); b < bitmap_first(i) + bitmap_entries(sm, i); b++)
+			sm->committed[b] = !!sm->counts[b];
+		sm->uncommitted[i] = 0;
+	}
 	sm->nr_freed = 0;
 }
 

@@ -38,6 +38,7 @@
  */
 #define DM_MSG_PREFIX "btree-test"
 #include "persistent-data/btree.h"
+#include "persistent-data/space-map-format.h"
 
 #include <fcntl.h>
 #include <inttypes.h>
@@ -427,10 +428,52 @@ static void committed(struct ctx *c)
 	}
 }
 
+/*
+ * The committed metadata space map index agrees with its bitmaps: each
+ * entry's free count and first free entry (the commit counts them again
+ * only for bitmaps whose counts went from or to zero).
+ */
+static void check_sm_index(struct ctx *c)
+{
+	struct tsp_disk_sm_root root;
+	struct tsp_index_entry ie;
+	struct tsp_block *b, *ib;
+	u64 nr_blocks;
+	u32 i, j, nr, nr_free, first_free;
+
+	CHECK_R(tsp_bm_read_lock(c->bm, SB_LOCATION, &sb_validator, &b), 0);
+	memcpy(&root, ((struct test_sb *)tsp_block_data(b))->sm_root, sizeof(root));
+	tsp_bm_unlock(b);
+	nr_blocks = le64_to_cpu(root.nr_blocks);
+	CHECK_R(tsp_bm_read_lock(c->bm, le64_to_cpu(root.bitmap_root),
+				 &tsp_index_validator, &ib), 0);
+	for (i = 0; (u64)i * TSP_ENTRIES_PER_BITMAP < nr_blocks; i++) {
+		struct tsp_disk_metadata_index *mi = tsp_block_data(ib);
+
+		tsp_index_entry_unpack(&mi->index[i], &ie);
+		nr = min_t(u64, TSP_ENTRIES_PER_BITMAP,
+			   nr_blocks - (u64)i * TSP_ENTRIES_PER_BITMAP);
+		CHECK_R(tsp_bm_read_lock(c->bm, ie.blocknr, &tsp_bitmap_validator, &b), 0);
+		nr_free = 0;
+		first_free = nr;
+		for (j = 0; j < nr; j++) {
+			if (!tsp_bitmap_get(tsp_block_data(b), j)) {
+				nr_free++;
+				first_free = min(first_free, j);
+			}
+		}
+		tsp_bm_unlock(b);
+		CHECK(ie.nr_free == nr_free);
+		CHECK(ie.none_free_before == first_free);
+	}
+	tsp_bm_unlock(ib);
+}
+
 static void commit(struct ctx *c)
 {
 	CHECK_R(try_commit(c), 0);
 	committed(c);
+	check_sm_index(c);
 }
 
 /* Open the block manager and transaction manager on the committed state. */
