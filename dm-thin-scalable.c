@@ -23,6 +23,8 @@
  *   - Fast path (in map): a read, or a write without FLUSH/FUA to a block
  *     the device owns alone, is looked up in the metadata layer's RCU
  *     mapping cache, enters the current epoch and is remapped.  No lock.
+ *     A bio over several blocks mapped to consecutive data blocks stays
+ *     one bio; dm core splits off whatever the fast path cannot take.
  *   - Everything else goes on this CPU's deferred list (an llist) and the
  *     pool's worker is kicked.  The worker drains every CPU's list,
  *     serialises bios per block through its table of running jobs,
@@ -45,7 +47,8 @@
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
  *   pool->commit_lock  a commit, and changes that free data blocks
- *                      (discard, delete), with freed_this_transaction
+ *                      (discard, delete), with freed_this_transaction;
+ *                      also metadata_low_water_triggered
  *   pool->lock         (irq-safe spinlock) pool->completed_jobs,
  *                      pool->retry_list
  *   worker-private     everything else the worker touches: the job table,
