@@ -381,6 +381,16 @@ static int op_new(struct ctx *c, tsp_block_t *result)
 	return 0;
 }
 
+/* Allocate every free block; then allocation fails with -ENOSPC. */
+static void fill(struct ctx *c)
+{
+	tsp_block_t b;
+
+	while (tsp_data_sm_nr_free(c->sm))
+		CHECK_R(op_new(c, &b), 0);
+	CHECK_R(op_new(c, &b), -ENOSPC);
+}
+
 /* Blocks whose counts are driven back and forth around 3. */
 #define NR_HOT 64
 
@@ -537,9 +547,7 @@ static void test_full(void)
 	commit(c);
 
 	/* After the commit they are, and then the map is full again. */
-	while (tsp_data_sm_nr_free(c->sm))
-		CHECK_R(op_new(c, &b), 0);
-	CHECK_R(op_new(c, &b), -ENOSPC);
+	fill(c);
 	verify(c);
 
 	/* Still so after more frees; a reopen from the root agrees. */
@@ -708,9 +716,7 @@ static void test_low_nr_free(void)
 	/* Allocation finds the free blocks of a bitmap that says it has none. */
 	set_index_nr_free(c, 1, 0);
 	verify(c);
-	while (tsp_data_sm_nr_free(c->sm))
-		CHECK_R(op_new(c, &b), 0);
-	CHECK_R(op_new(c, &b), -ENOSPC);
+	fill(c);
 	verify(c);
 	commit(c);
 	reopen(c);
