@@ -18,6 +18,8 @@
 #   make tsan             tools and unit tests under ThreadSanitizer
 #   make vm-helpers       build/dm-status (tests/vm/dm-status.c, for the
 #                         VM tests: status lines through libdevmapper)
+#   make deps             scripts/install-deps: the Debian packages, if
+#                         any is missing (check, bench and fuzz run it)
 #   make check            module, tools, unit tests and vm-helpers, then
 #                         tests/run (the VM suite boots the kernel the
 #                         module is for)
@@ -25,7 +27,7 @@
 #                         then only the VM suite on Debian 12's 6.12 kernel
 #                         with that module (tests/run --vm-only); the
 #                         module at the top of the tree is left alone
-#   make fuzz, bench-meta, bench    run scripts/<name> once it exists
+#   make fuzz, bench-meta, bench    scripts/fuzz-meta, scripts/<name>
 #   make clean
 
 # --- kernel module --------------------------------------------------------
@@ -54,7 +56,7 @@ KERNELS ?= 6.1 6.12
 # What a build/kmod-<kver>/ copy needs: kbuild's input and kernel sources.
 KMOD_SOURCES = Kbuild $(wildcard *.c *.h persistent-data/*.c persistent-data/*.h)
 
-.PHONY: all module modules sparse kernels tools unit tsan vm-helpers check \
+.PHONY: all deps module modules sparse kernels tools unit tsan vm-helpers check \
 	check-6.12 fuzz bench-meta bench clean FORCE
 
 all: module
@@ -156,27 +158,28 @@ vm-helpers: $(VM_HELPERS)
 
 # --- tests ----------------------------------------------------------------
 
-check: module tools unit vm-helpers
+# The Debian packages the build and the tests need (quick when installed).
+deps:
+	scripts/install-deps
+
+# A new make, so that KDIR is found in the headers deps may have installed.
+check: deps
+	$(MAKE) module tools unit vm-helpers
 	tests/run
 
 # The userspace tests do not depend on the kernel: "make check" ran them.
-check-6.12: kmod-6.12 vm-helpers
+check-6.12: deps
+	$(MAKE) kmod-6.12 vm-helpers
 	TSP_MODULE=$(CURDIR)/build/kmod-6.12/dm-thin-scalable.ko KVER=6.12 \
 		tests/run --vm-only
 
-# --- not implemented yet: say so ------------------------------------------
+# --- fuzzing and benchmarks (not in CI) ----------------------------------
 
 # make fuzz runs scripts/fuzz-meta; the others run scripts/<target>.
 script-of = scripts/$(if $(filter fuzz,$(1)),fuzz-meta,$(1))
 
-fuzz bench-meta bench:
-	@if [ -x $(call script-of,$@) ]; then \
-		exec $(call script-of,$@); \
-	else \
-		echo "make $@: not implemented yet" \
-		     "($(call script-of,$@) does not exist)" >&2; \
-		exit 1; \
-	fi
+fuzz bench-meta bench: deps
+	$(call script-of,$@)
 
 clean:
 	rm -rf build
