@@ -166,17 +166,12 @@ layout() {
 	[[ $(cut -d' ' -f4 "$out/ro.pool.raw") =~ ^[0-9]+$ ]] ||
 		fail "$pt: held root gone in read-only mode: '$(cat "$out/ro.pool.raw")'"
 
-	# Writable again, error_if_no_space, no_discard_passdown: a new
-	# activation (the held root is in the superblock), which releases the
-	# metadata snapshot.
-	dm_remove tss-t1
-	dm_remove tss-t0
-	dm_remove tss-pool
-	dm_create tss-pool "$pool 2 error_if_no_space no_discard_passdown"
-	dm_create tss-t0 "0 $THIN_SECTORS $tt /dev/mapper/tss-pool 0"
-	dm_create tss-t1 "0 $THIN_SECTORS $tt /dev/mapper/tss-pool 1"
+	# Writable again by a reload, as lvm2 does it: error_if_no_space,
+	# no_discard_passdown; then release the metadata snapshot.
+	dmsetup reload tss-pool --table "$pool 2 error_if_no_space no_discard_passdown"
+	dmsetup resume tss-pool
 	[[ $(dm_status tss-pool | cut -d' ' -f4) =~ ^[0-9]+$ ]] ||
-		fail "$pt: held root gone after reactivation: '$(dm_status tss-pool)'"
+		fail "$pt: held root gone after the reload: '$(dm_status tss-pool)'"
 	dm_message tss-pool "release_metadata_snap"
 	parse tss-pool "$out/enospc.pool"
 	expect_fields "$out/enospc.pool" read_only=0 error_if_no_space=1 discards=no_passdown
