@@ -497,21 +497,23 @@ static void check_metadata_space(struct pool *pool)
 	tsp_block_t nr_blocks, nr_free;
 
 	lockdep_assert_held(&pool->commit_lock);
-	if (get_metadata_space(pool, &nr_blocks, &nr_free)) {
+	/* Free blocks counting the reserve: the low water mark is on those. */
+	if (tsp_pool_get_metadata_dev_size(pool->pmd, &nr_blocks) ||
+	    tsp_pool_get_free_metadata_block_count(pool->pmd, &nr_free)) {
 		DMERR("%s: could not get free metadata blocks",
 		      dm_device_name(pool->pool_md));
 		set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
 		return;
 	}
 	if (!pool->metadata_low_water_triggered &&
-	    nr_free + metadata_reserve(nr_blocks) <= metadata_low_water(nr_blocks)) {
+	    nr_free <= metadata_low_water(nr_blocks)) {
 		DMWARN("%s: reached low water mark for metadata device: sending event",
 		       dm_device_name(pool->pool_md));
 		pool->metadata_low_water_triggered = true;
 		if (pool->ti)
 			dm_table_event(pool->ti->table);
 	}
-	if (!nr_free && !pool_is_read_only(pool)) {
+	if (nr_free <= metadata_reserve(nr_blocks) && !pool_is_read_only(pool)) {
 		DMERR("%s: no free metadata blocks", dm_device_name(pool->pool_md));
 		set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
 	}
