@@ -1001,8 +1001,8 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		return;
 	}
 
-	to = block_region(pool, job->data_block);
 	if (old_block) {
+		to = block_region(pool, job->data_block);
 		from = block_region(pool, *old_block);
 		dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
 	} else if (tc->origin_dev &&
@@ -1987,7 +1987,6 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 			ti->error = "Error opening origin device";
 			goto bad_free;
 		}
-		tc->origin_size = bdev_nr_sectors(tc->origin_dev->bdev);
 	}
 
 	r = dm_get_device(ti, argv[0], dm_table_get_mode(ti->table), &tc->pool_dev);
