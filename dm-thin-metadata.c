@@ -1385,6 +1385,47 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	return end_update(pmd, __insert_block(td, virt, data, pmd->time));
 }
 
+/**
+ * tsp_pool_insert_mappings - map a batch of blocks in one update
+ * @pmd: pool metadata
+ * @mappings: struct tsp_new_mapping entries, linked by ->list; each
+ *	one's @td belongs to @pmd
+ * @nr_inserted: out: how many mappings, from the head of the list, were
+ *	inserted
+ *
+ * Does what tsp_thin_insert_block() does for each mapping, in list order,
+ * under one acquisition of @root_lock, so that a worker finishing many
+ * provisions takes the lock once.  Stops at the first failure, which
+ * fails the metadata as tsp_thin_insert_block()'s would.
+ *
+ * Context: may sleep.
+ *
+ * Return: 0, or the error of the first mapping not inserted.
+ */
+int tsp_pool_insert_mappings(struct tsp_pool_metadata *pmd,
+			     struct list_head *mappings,
+			     unsigned int *nr_inserted)
+{
+	struct tsp_new_mapping *m;
+	int r;
+
+	*nr_inserted = 0;
+	if (list_empty(mappings))
+		return 0;
+	r = begin_update(pmd);
+	if (r)
+		return r;
+	list_for_each_entry(m, mappings, list) {
+		r = __insert_block(m->td, m->virt, m->data, pmd->time);
+		if (r)
+			break;
+		++*nr_inserted;
+	}
+	if (*nr_inserted)
+		pmd->changed = true;
+	return end_update(pmd, r);
+}
+
 static int __remove_range(struct tsp_thin_device *td, tsp_block_t begin,
 			  tsp_block_t end)
 {

@@ -214,6 +214,23 @@ int __must_check tsp_pool_alloc_data_block(struct tsp_pool_metadata *pmd,
 /* Map @virt to @data, taking over the allocation's reference. */
 int __must_check tsp_thin_insert_block(struct tsp_thin_device *td,
 				       tsp_block_t virt, tsp_block_t data);
+
+/* One mapping of a batch for tsp_pool_insert_mappings(). */
+struct tsp_new_mapping {
+	struct list_head list;
+	struct tsp_thin_device *td;
+	tsp_block_t virt;
+	tsp_block_t data;
+};
+
+/*
+ * tsp_thin_insert_block() for each of @mappings in list order, in one
+ * update: the metadata lock is taken once for the whole batch.  Stops at
+ * the first failure; *@nr_inserted says how many were inserted.
+ */
+int __must_check tsp_pool_insert_mappings(struct tsp_pool_metadata *pmd,
+					  struct list_head *mappings,
+					  unsigned int *nr_inserted);
 int __must_check tsp_thin_remove_block(struct tsp_thin_device *td,
 				       tsp_block_t virt);
 /* Unmap [@begin, @end); not an error if nothing was mapped. */

@@ -231,8 +231,7 @@ struct job {
 	struct hlist_node hash;
 	struct list_head list;		/* pool->completed_jobs */
 	struct thin_c *tc;
-	tsp_block_t virt;
-	tsp_block_t data_block;
+	struct tsp_new_mapping mapping;	/* virtual block -> new data block */
 	struct bio *bio;		/* issued once the mapping exists */
 	bool bio_wrote_block;		/* @bio went first, with any zeroing */
 	struct bio_list waiting;	/* later bios for the same block */
@@ -634,7 +633,7 @@ static struct job *find_job(struct pool *pool, struct thin_c *tc,
 	struct job *job;
 
 	hlist_for_each_entry(job, job_bucket(pool, tc, virt), hash)
-		if (job->tc == tc && job->virt == virt)
+		if (job->tc == tc && job->mapping.virt == virt)
 			return job;
 	return NULL;
 }
@@ -644,7 +643,8 @@ static void add_job(struct pool *pool, struct job *job, struct thin_c *tc,
 		    tsp_block_t virt, struct bio *bio)
 {
 	job->tc = tc;
-	job->virt = virt;
+	job->mapping.td = tc->td;
+	job->mapping.virt = virt;
 	job->bio = bio;
 	bio_list_init(&job->waiting);
 	atomic_set(&job->pending, 1);
@@ -703,7 +703,7 @@ static void start_overwrite(struct pool *pool, struct job *job)
 	tb->saved_private = bio->bi_private;
 	bio->bi_end_io = overwrite_endio;
 	bio->bi_private = job;
-	issue_remapped(pool, bio, job->data_block);
+	issue_remapped(pool, bio, job->mapping.data);
 }
 
 static void zero_endio(struct bio *bio)
@@ -751,7 +751,7 @@ static void zero_range(struct pool *pool, struct job *job, sector_t sector,
  */
 static void zero_around(struct pool *pool, struct job *job)
 {
-	sector_t start = job->data_block * pool->sectors_per_block;
+	sector_t start = job->mapping.data * pool->sectors_per_block;
 	sector_t begin = block_offset(pool, job->bio->bi_iter.bi_sector);
 	sector_t end = begin + bio_sectors(job->bio);
 
@@ -779,10 +779,10 @@ static struct dm_io_region block_region(struct pool *pool, tsp_block_t b)
 static void copy_from_origin(struct thin_c *tc, struct job *job)
 {
 	struct pool *pool = tc->pool;
-	struct dm_io_region to = block_region(pool, job->data_block);
+	struct dm_io_region to = block_region(pool, job->mapping.data);
 	struct dm_io_region from = {
 		.bdev = tc->origin_dev->bdev,
-		.sector = job->virt * pool->sectors_per_block,
+		.sector = job->mapping.virt * pool->sectors_per_block,
 	};
 
 	from.count = min_t(sector_t, pool->sectors_per_block,
@@ -796,26 +796,14 @@ static void copy_from_origin(struct thin_c *tc, struct job *job)
 
 static void defer_bio(struct pool *pool, struct bio *bio);
 
-/* Worker: a job's IO finished; map the block and release the bios. */
+/* Worker: @job's block is mapped, or failed with job->err; release the bios. */
 static void finish_job(struct pool *pool, struct job *job)
 {
-	struct thin_c *tc = job->tc;
 	struct bio *bio = job->bio;
-	int r = job->err;
 
 	hlist_del(&job->hash);
-
-	/* Read-only metadata: the block cannot be mapped, its IO fails. */
-	if (!r && pool_mode(pool) >= PM_READ_ONLY)
-		r = -EIO;
-	if (!r) {
-		r = tsp_thin_insert_block(tc->td, job->virt, job->data_block);
-		if (r)
-			metadata_failed(pool, "insert_block", r);
-	}
-
-	if (r) {
-		bio->bi_status = errno_to_blk_status(r);
+	if (job->err) {
+		bio->bi_status = errno_to_blk_status(job->err);
 		bio_endio(bio);
 	} else if (job->bio_wrote_block) {
 		if (bio_needs_commit(bio))
@@ -824,10 +812,10 @@ static void finish_job(struct pool *pool, struct job *job)
 			bio_endio(bio);
 	} else if (bio_needs_commit(bio)) {
 		/* Issue the data write once the mapping is durable. */
-		remap(pool, bio, job->data_block);
+		remap(pool, bio, job->mapping.data);
 		bio_list_add(&pool->issue_after_commit, bio);
 	} else {
-		issue_remapped(pool, bio, job->data_block);
+		issue_remapped(pool, bio, job->mapping.data);
 	}
 
 	while ((bio = bio_list_pop(&job->waiting)))
@@ -835,14 +823,44 @@ static void finish_job(struct pool *pool, struct job *job)
 	kmem_cache_free(job_cache, job);
 }
 
+/*
+ * Worker: map the blocks of every job whose IO finished, in one metadata
+ * update, then release their bios.  Taking the metadata lock once per
+ * batch rather than once per job also means the worker does not yield to
+ * the submitter woken by the first completed bio before it has completed
+ * the others.
+ */
 static void process_completed_jobs(struct pool *pool)
 {
 	struct job *job, *tmp;
 	LIST_HEAD(jobs);
+	LIST_HEAD(mappings);
+	unsigned int nr_inserted;
+	int r = 0;
 
 	spin_lock_irq(&pool->lock);
 	list_splice_init(&pool->completed_jobs, &jobs);
 	spin_unlock_irq(&pool->lock);
+
+	list_for_each_entry(job, &jobs, list)
+		if (!job->err)
+			list_add_tail(&job->mapping.list, &mappings);
+
+	/* Read-only metadata: the blocks cannot be mapped, their IO fails. */
+	if (pool_mode(pool) >= PM_READ_ONLY) {
+		r = -EIO;
+		nr_inserted = 0;
+	} else {
+		r = tsp_pool_insert_mappings(pool->pmd, &mappings, &nr_inserted);
+		if (r)
+			metadata_failed(pool, "insert_block", r);
+	}
+	list_for_each_entry(job, &mappings, mapping.list) {
+		if (nr_inserted)
+			nr_inserted--;
+		else
+			job->err = r;
+	}
 
 	list_for_each_entry_safe(job, tmp, &jobs, list)
 		finish_job(pool, job);
@@ -975,7 +993,7 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
  * A write to an unmapped block (@old_block == NULL) or to a shared one:
  * get a new block filled by the bio itself (with zeroing around it), or by
  * copying the shared block or the external origin, then map it
- * (finish_job).
+ * (process_completed_jobs).
  */
 static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		      const tsp_block_t *old_block)
@@ -990,7 +1008,7 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		bio_io_error(bio);
 		return;
 	}
-	if (alloc_block(pool, bio, &job->data_block)) {
+	if (alloc_block(pool, bio, &job->mapping.data)) {
 		kmem_cache_free(job_cache, job);
 		return;
 	}
@@ -998,11 +1016,8 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 
 	if (bio_covers_block(pool, bio)) {
 		start_overwrite(pool, job);
-		return;
-	}
-
-	if (old_block) {
-		to = block_region(pool, job->data_block);
+	} else if (old_block) {
+		to = block_region(pool, job->mapping.data);
 		from = block_region(pool, *old_block);
 		dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
 	} else if (tc->origin_dev &&
@@ -1011,7 +1026,8 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 	} else if (pool->pf.zero_new_blocks) {
 		zero_around(pool, job);
 	} else {
-		job_io_done(job, 0);
+		/* The rest of the block keeps whatever it held. */
+		start_overwrite(pool, job);
 	}
 }
 
@@ -1190,7 +1206,7 @@ static void do_worker(struct work_struct *ws)
 
 	process_completed_jobs(pool);
 	process_deferred_bios(pool);
-	/* Jobs with nothing to wait for (no zeroing) finish in this pass. */
+	/* Jobs whose IO already completed finish in this pass. */
 	process_completed_jobs(pool);
 	process_commit(pool);
 }

@@ -256,6 +256,8 @@ struct list_head {
 	struct list_head *next, *prev;
 };
 
+#define LIST_HEAD(name) struct list_head name = { &(name), &(name) }
+
 static inline void INIT_LIST_HEAD(struct list_head *l)
 {
 	l->next = l;
@@ -312,6 +314,10 @@ static inline void list_replace(struct list_head *old, struct list_head *n)
 	list_entry((head)->next, type, member)
 #define list_next_entry(pos, member) \
 	list_entry((pos)->member.next, typeof(*(pos)), member)
+#define list_for_each_entry(pos, head, member)				\
+	for (pos = list_first_entry(head, typeof(*(pos)), member);		\
+	     &(pos)->member != (head);						\
+	     pos = list_next_entry(pos, member))
 #define list_for_each_entry_safe(pos, tmp, head, member)			\
 	for (pos = list_first_entry(head, typeof(*(pos)), member),		\
 	     tmp = list_next_entry(pos, member);				\

@@ -139,6 +139,7 @@ enum op_kind {
 	OP_DELETE,
 	OP_INSERT,
 	OP_INSERT_RUN,
+	OP_INSERT_BATCH,
 	OP_OVERWRITE,
 	OP_REMOVE,
 	OP_REMOVE_RANGE,
@@ -165,6 +166,7 @@ static const struct {
 	[OP_DELETE] = { "delete", 3 },
 	[OP_INSERT] = { "insert", 300 },
 	[OP_INSERT_RUN] = { "insert_run", 30 },
+	[OP_INSERT_BATCH] = { "insert_batch", 30 },
 	[OP_OVERWRITE] = { "overwrite", 60 },
 	[OP_REMOVE] = { "remove", 200 },
 	[OP_REMOVE_RANGE] = { "remove_range", 20 },
@@ -1185,6 +1187,72 @@ static int op_insert(struct stress *s, bool overwrite, u64 n)
 	return r;
 }
 
+#define MAX_BATCH 16
+
+/*
+ * Map up to MAX_BATCH unmapped blocks, of random devices, in one update.
+ * The model maps each block as it is allocated, so that the next pick
+ * and alloc_block()'s check see it.  A device in the batch more than
+ * once is opened (get_td) by its first entry only, which also puts it.
+ */
+static int op_insert_batch(struct stress *s)
+{
+	struct tsp_new_mapping m[MAX_BATCH];
+	unsigned int slots[MAX_BATCH], n, i, j, nr_inserted;
+	bool opened[MAX_BATCH], enospc = false;
+	LIST_HEAD(batch);
+	int r = 0, slot;
+	u64 v, b;
+
+	for (n = 0; n < 1 + rnd(s, MAX_BATCH); n++) {
+		slot = pick_slot(s, true);
+		if (slot < 0)
+			break;
+		v = pick_virt(s, slot, false);
+		if (v == NO_BLOCK)
+			break;
+		r = alloc_block(s, &b, &enospc);
+		if (r || enospc)
+			break;
+		m[n].td = NULL;
+		for (j = 0; j < n; j++)
+			if (slots[j] == (unsigned int)slot)
+				m[n].td = m[j].td;
+		opened[n] = !m[n].td;
+		if (opened[n]) {
+			r = get_td(s, slot, &m[n].td);
+			if (r)
+				break;
+		}
+		slots[n] = slot;
+		m[n].virt = v;
+		m[n].data = b;
+		list_add_tail(&m[n].list, &batch);
+		trace(s, "batch: dev %llu: %llu -> %llu",
+		      (unsigned long long)s->ids[slot], (unsigned long long)v,
+		      (unsigned long long)b);
+		model_map(s, slot, v, b);
+	}
+	/* alloc_block() aborted the transaction (and reset the model). */
+	if (enospc && (s->o.avoid & AVOID_ENOSPC))
+		INIT_LIST_HEAD(&batch);
+
+	if (!r && !list_empty(&batch)) {
+		r = tsp_pool_insert_mappings(s->pmd, &batch, &nr_inserted);
+		if (r || nr_inserted != n)
+			r = diverge(s, "insert_mappings of %u: %d, %u inserted",
+				    n, r, nr_inserted);
+		for (i = 0; !r && i < n; i++)
+			r = check_lookup(s, m[i].td, slots[i], m[i].virt);
+		for (i = 0; !r && i < n; i++)
+			r = check_mapped_count(s, m[i].td, slots[i]);
+	}
+	for (i = 0; i < n; i++)
+		if (opened[i])
+			put_td(s, slots[i], m[i].td);
+	return r;
+}
+
 static int op_remove(struct stress *s)
 {
 	struct tsp_thin_device *td;
@@ -1550,6 +1618,8 @@ static int do_op(struct stress *s, enum op_kind k)
 		/* now and then a long run: deep trees, long range_mappings */
 		return op_insert(s, false, 2 + (rnd(s, 8) ? rnd(s, 31) :
 						rnd(s, 512)));
+	case OP_INSERT_BATCH:
+		return op_insert_batch(s);
 	case OP_OVERWRITE:
 		return op_insert(s, true, 1 + (rnd(s, 4) ? 0 : rnd(s, 8)));
 	case OP_REMOVE:
