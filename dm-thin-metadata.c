@@ -115,6 +115,12 @@ struct tsp_pool_metadata {
 	u32 compat_flags, compat_ro_flags, incompat_flags;
 
 	struct tsp_thin_device *devices;	/* opened or changed */
+	/*
+	 * Bumped by every change that may move a device's mapping tree
+	 * root other than that device's own mapping updates: it makes the
+	 * roots open devices remember (struct tsp_thin_device) stale.
+	 */
+	u64 roots_gen;
 	bool changed;		/* anything since the last commit */
 	bool fail_io;		/* an update failed: abort before more */
 	bool read_only;
@@ -130,6 +136,16 @@ struct tsp_thin_device {
 	u64 transaction_id;
 	u32 creation_time;
 	u32 snapshotted_time;	/* also read locklessly: WRITE_ONCE() */
+
+	/*
+	 * The device's mapping tree root as the top-level tree holds it,
+	 * valid while @root_gen equals pmd->roots_gen.  @root_writable: the
+	 * top-level path to it has been shadowed in this transaction and
+	 * the root is this transaction's own, so updates may skip both.
+	 */
+	tsp_block_t root;
+	u64 root_gen;
+	bool root_writable;
 };
 
 /*----------------------------------------------------------------
@@ -274,6 +290,7 @@ static struct tsp_mapping_cache *__cache(struct tsp_pool_metadata *pmd)
 /* The in-core metadata is in doubt: keep nothing derived from it. */
 static void __fail_io(struct tsp_pool_metadata *pmd)
 {
+	pmd->roots_gen++;
 	pmd->fail_io = true;
 	tsp_mc_clear(__cache(pmd));
 }
@@ -427,6 +444,7 @@ int tsp_pool_metadata_open(struct block_device *bdev, sector_t data_block_size,
 	if (!pmd)
 		return -ENOMEM;
 	init_rwsem(&pmd->root_lock);
+	pmd->roots_gen = 1;	/* devices start at 0: unknown */
 	pmd->bdev = bdev;
 	pmd->data_block_size = data_block_size;
 
@@ -526,6 +544,8 @@ static int __commit_transaction(struct tsp_pool_metadata *pmd)
 
 	lockdep_assert_held(&pmd->root_lock);
 
+	/* Whatever happens, the next transaction shadows afresh. */
+	pmd->roots_gen++;
 	r = write_changed_details(pmd);
 	if (!r)
 		r = tsp_data_sm_commit(pmd->data_sm, data_root);
@@ -789,6 +809,7 @@ static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	__le64 value = cpu_to_le64(tree_root);
 	int r;
 
+	pmd->roots_gen++;
 	r = tsp_btree_insert(&pmd->tl_info, pmd->root, dev, &value,
 			     &pmd->root, NULL);
 	if (r)
@@ -863,6 +884,8 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	__le64 value;
 	int r;
 
+	/* The origin's root becomes shared: it must be shadowed again. */
+	pmd->roots_gen++;
 	r = __check_new_id(pmd, dev);
 	if (r)
 		return r;
@@ -918,6 +941,7 @@ static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 	struct tsp_thin_device *td;
 	int r;
 
+	pmd->roots_gen++;
 	td = find_open(pmd, dev);
 	if (td && td->open_count) {
 		DMERR("cannot delete thin device %llu: it is open",
@@ -993,6 +1017,8 @@ static int __reserve_metadata_snap(struct tsp_pool_metadata *pmd)
 	struct tsp_block *b;
 	int r;
 
+	/* Every root becomes reachable from the snapshot: shadow again. */
+	pmd->roots_gen++;
 	if (pmd->held_root) {
 		DMERR("pool metadata snapshot already exists: release it first");
 		return -EBUSY;
@@ -1044,6 +1070,7 @@ static int __release_metadata_snap(struct tsp_pool_metadata *pmd)
 	struct tsp_block *b;
 	int r;
 
+	pmd->roots_gen++;
 	if (!held) {
 		DMERR("no pool metadata snapshot to release");
 		return -EINVAL;
@@ -1120,6 +1147,10 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 	__le64 value;
 	int r;
 
+	if (td->root_gen == pmd->roots_gen) {
+		*root = td->root;
+		return 0;
+	}
 	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, td->id, &value);
 	if (r == -ENODATA) {
 		/* Deleted, or its creation was aborted, while open. */
@@ -1127,9 +1158,13 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 		      (unsigned long long)td->id);
 		return -ENODEV;
 	}
-	if (!r)
-		*root = le64_to_cpu(value);
-	return r;
+	if (r)
+		return r;
+	*root = le64_to_cpu(value);
+	td->root = *root;
+	td->root_gen = pmd->roots_gen;
+	td->root_writable = false;
+	return 0;
 }
 
 /*
@@ -1148,11 +1183,15 @@ static int __device_root_for_update(struct tsp_thin_device *td,
 	int r;
 
 	r = __device_root(td, root);
-	if (r)
+	if (r || td->root_writable)
 		return r;
 	value = cpu_to_le64(*root);
-	return tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
-				&pmd->root, NULL);
+	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
+			     &pmd->root, NULL);
+	if (r)
+		return r;
+	td->root_writable = true;
+	return 0;
 }
 
 /* Record that @td's mapping tree root moved from @old to @root. */
@@ -1161,11 +1200,15 @@ static int __set_device_root(struct tsp_thin_device *td, tsp_block_t old,
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	__le64 value = cpu_to_le64(root);
+	int r;
 
 	if (root == old)
 		return 0;
-	return tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
-				&pmd->root, NULL);
+	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
+			     &pmd->root, NULL);
+	if (!r)
+		td->root = root;
+	return r;
 }
 
 static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,

@@ -56,7 +56,17 @@ struct tsp_data_sm {
 	 * again would mostly rescan.  Reset at commit, and before giving up.
 	 */
 	tsp_block_t alloc_cursor;
+	/*
+	 * Blocks [run_begin, run_end) were free now and at the last commit
+	 * when allocation last searched a bitmap: they are handed out in
+	 * order without searching again.  Emptied at commit (so freed
+	 * blocks get reused), and by any other change that uses one.
+	 */
+	tsp_block_t run_begin, run_end;
 };
+
+/* How far one search looks past the free block it finds. */
+#define FREE_RUN_MAX 1024
 
 static u64 nr_bitmaps(tsp_block_t nr_blocks)
 {
@@ -410,6 +420,8 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 	}
 
 	if (!old && count) {
+		if (b >= sm->run_begin && b < sm->run_end)
+			sm->run_begin = sm->run_end = 0;
 		ie->nr_free--;
 		if (pos == ie->none_free_before)
 			ie->none_free_before = pos + 1;
@@ -459,16 +471,23 @@ int tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b)
 	return set_count(sm, b, old, old - 1);
 }
 
+static bool free_now_and_then(struct tsp_block *now, struct tsp_block *then,
+			      u32 j)
+{
+	return !tsp_bitmap_get(tsp_block_data(now), j) &&
+	       !(then && tsp_bitmap_get(tsp_block_data(then), j));
+}
+
 /*
- * A block of bitmap @i free now and at the last commit; -ENOSPC if none.
+ * Set the free run to the first blocks of bitmap @i from @start that are
+ * free now and at the last commit; -ENOSPC if there are none.
  */
-static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start,
-			tsp_block_t *result)
+static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start)
 {
 	struct tsp_index_entry *ie = &sm->index[i];
 	tsp_block_t old_loc = sm->committed[i].blocknr;
 	struct tsp_block *now, *then = NULL;
-	u32 j, nr = bitmap_entries(sm->nr_blocks, i);
+	u32 j, k, nr = bitmap_entries(sm->nr_blocks, i);
 	int r;
 
 	r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator, &now);
@@ -484,11 +503,13 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start,
 
 	r = -ENOSPC;
 	for (j = max(ie->none_free_before, start); j < nr; j++) {
-		if (tsp_bitmap_get(tsp_block_data(now), j))
+		if (!free_now_and_then(now, then, j))
 			continue;
-		if (then && tsp_bitmap_get(tsp_block_data(then), j))
-			continue;
-		*result = i * TSP_ENTRIES_PER_BITMAP + j;
+		sm->run_begin = i * TSP_ENTRIES_PER_BITMAP + j;
+		for (k = j + 1; k < nr && k - j < FREE_RUN_MAX; k++)
+			if (!free_now_and_then(now, then, k))
+				break;
+		sm->run_end = i * TSP_ENTRIES_PER_BITMAP + k;
 		r = 0;
 		break;
 	}
@@ -499,8 +520,11 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start,
 	return r;
 }
 
-/* One pass over the bitmaps with free entries, from the cursor. */
-static int find_free(struct tsp_data_sm *sm, tsp_block_t *b)
+/*
+ * One pass over the bitmaps with free entries, from the cursor, that sets
+ * the free run.
+ */
+static int find_free(struct tsp_data_sm *sm)
 {
 	u64 first = sm->nr_bitmaps ? sm->alloc_cursor / TSP_ENTRIES_PER_BITMAP : 0;
 	u64 k, i;
@@ -512,7 +536,7 @@ static int find_free(struct tsp_data_sm *sm, tsp_block_t *b)
 		if (!sm->index[i].nr_free)
 			continue;
 		start = k ? 0 : sm->alloc_cursor % TSP_ENTRIES_PER_BITMAP;
-		r = find_free_in(sm, i, start, b);
+		r = find_free_in(sm, i, start);
 		if (r != -ENOSPC)
 			return r;
 	}
@@ -546,29 +570,33 @@ static int recount_full(struct tsp_data_sm *sm)
  * @sm: space map
  * @b: out, a block whose count is now 1
  *
- * Returns 0 or -ENOSPC.  Cost: the index is scanned from where the last
- * allocation succeeded, reading the bitmaps that have free entries.
+ * Returns 0 or -ENOSPC.  Cost: the next block of the free run; when the
+ * run is empty, the index is scanned from where the last allocation
+ * succeeded, reading the bitmaps that have free entries, for a new run.
  * Before -ENOSPC, the bitmaps said to be full whose counts were read
  * from disk are recounted, once after open.
  */
 int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
 {
-	int r = find_free(sm, b);
+	int r = 0;
 
+	if (sm->run_begin == sm->run_end)
+		r = find_free(sm);
 	if (r == -ENOSPC && sm->alloc_cursor) {
 		/* Blocks allocated and freed since may be reused: look again. */
 		sm->alloc_cursor = 0;
-		r = find_free(sm, b);
+		r = find_free(sm);
 	}
 	if (r == -ENOSPC) {
 		r = recount_full(sm);
 		if (r > 0)
-			r = find_free(sm, b);
+			r = find_free(sm);
 		else if (!r)
 			r = -ENOSPC;
 	}
 	if (r)
 		return r;
+	*b = sm->run_begin++;
 	sm->alloc_cursor = *b + 1;
 	return set_count(sm, *b, 0, 1);
 }
@@ -598,6 +626,7 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 	if (sm->nr_bitmaps)
 		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 	sm->alloc_cursor = 0;
+	sm->run_begin = sm->run_end = 0;
 
 	memset(root, 0, TSP_SM_ROOT_SIZE);
 	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);
