@@ -659,15 +659,19 @@ static void job_io_done(struct job *job, int err)
 {
 	struct pool *pool = job->tc->pool;
 	unsigned long flags;
+	bool first;
 
 	if (err)
 		WRITE_ONCE(job->err, err);
 	if (!atomic_dec_and_test(&job->pending))
 		return;
 	spin_lock_irqsave(&pool->lock, flags);
+	first = list_empty(&pool->completed_jobs);
 	list_add_tail(&job->list, &pool->completed_jobs);
 	spin_unlock_irqrestore(&pool->lock, flags);
-	wake_worker(pool);
+	/* Otherwise whoever added the first woke the worker. */
+	if (first)
+		wake_worker(pool);
 }
 
 static void kcopyd_done(int read_err, unsigned long write_err, void *context)
@@ -1229,8 +1233,14 @@ static void defer_bio(struct pool *pool, struct bio *bio)
 	struct thin_bio *tb = thin_bio(bio);
 
 	this_cpu_inc(pool->stats->deferred);
-	llist_add(&tb->node, this_cpu_ptr(pool->deferred));
-	wake_worker(pool);
+	/*
+	 * Only the bio that finds the list empty wakes the worker: the
+	 * worker empties a list before it processes what was on it, so a
+	 * bio added to a non-empty list will be seen by the pass that the
+	 * first one's wake-up queued.
+	 */
+	if (llist_add(&tb->node, this_cpu_ptr(pool->deferred)))
+		wake_worker(pool);
 }
 
 /*----------------------------------------------------------------
