@@ -731,6 +731,9 @@ static void test_metadata(void)
 	struct tsp_thin_device *td1, *td2;
 	struct tsp_thin_lookup_result res;
 	tsp_block_t block[N_MAPPED], b, tb, te, pb;
+	struct tsp_new_mapping batch[3];
+	LIST_HEAD(batch_list);
+	unsigned int nr_inserted;
 	struct tsp_mc_stats st;
 	struct pool p;
 	bool shared;
@@ -785,6 +788,35 @@ static void test_metadata(void)
 	CHECK_R(tsp_thin_insert_block(td1, 30, b), 0);
 	block[30] = b;
 	FAST_HIT(td1, 30, b, false);
+
+	/*
+	 * A batch maps and caches in list order up to its first failure: a
+	 * data block beyond the data device (refused, the metadata stays
+	 * usable).  Then the rest of the batch again.
+	 */
+	for (v = 0; v < ARRAY_SIZE(batch); v++) {
+		batch[v].td = td1;
+		batch[v].virt = 700 + v;
+		CHECK_R(tsp_pool_alloc_data_block(p.pmd, &batch[v].data), 0);
+		list_add_tail(&batch[v].list, &batch_list);
+	}
+	b = batch[1].data;
+	batch[1].data = 1ULL << 40;
+	CHECK_R(tsp_pool_insert_mappings(p.pmd, &batch_list, &nr_inserted),
+		-EINVAL);
+	CHECK_R(nr_inserted, 1);
+	FAST_HIT(td1, 700, batch[0].data, false);
+	FAST_MISS(td1, 701);
+	FAST_MISS(td1, 702);
+	CHECK_R(tsp_thin_find_block(td1, 702, &res), -ENODATA);
+	batch[1].data = b;
+	list_del(&batch[0].list);
+	CHECK_R(tsp_pool_insert_mappings(p.pmd, &batch_list, &nr_inserted), 0);
+	CHECK_R(nr_inserted, 2);
+	for (v = 0; v < ARRAY_SIZE(batch); v++) {
+		FAST_HIT(td1, 700 + v, batch[v].data, false);
+		CHECK_R(tsp_thin_remove_block(td1, 700 + v), 0);
+	}
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 
 	/* A snapshot: the origin's old mappings are now shared. */
