@@ -25,19 +25,26 @@
  *     mapping cache, enters the current epoch and is remapped.  No lock.
  *     A bio over several blocks mapped to consecutive data blocks stays
  *     one bio; dm core splits off whatever the fast path cannot take.
- *   - Everything else goes on this CPU's deferred list (an llist) and the
- *     pool's worker is kicked.  The worker drains every CPU's list,
- *     serialises bios per block through its table of running jobs,
- *     provisions (the bio writes its part of the new block while zeroing
- *     bios write the rest, unless zeroing is off), breaks sharing
- *     (copying with dm-kcopyd), unmaps discarded blocks, and commits.
+ *   - Everything else goes to a worker: one per CPU, each owning the
+ *     virtual blocks of the regions (REGION_BLOCKS blocks of one thin
+ *     device) that hash to it, as dm-vdo's logical zones own theirs.  A
+ *     bio goes on its owner's deferred list (an llist, pushed from any
+ *     CPU) and the owner is kicked.  The owner serialises bios per block
+ *     through its table of running jobs (the per-block lock table, one
+ *     shard per worker, so no lock), provisions (the bio writes its part
+ *     of the new block while zeroing bios write the rest, unless zeroing
+ *     is off), breaks sharing (copying with dm-kcopyd), unmaps discarded
+ *     blocks (discards are cut at region ends in map), maps the blocks of
+ *     finished jobs in batches, and commits.  Workers run concurrently;
+ *     the metadata lock orders their metadata changes.
  *
- * Deferred free: a data block unmapped by a discard is freed in the
- * current metadata transaction, and the data space map does not hand out
- * a block freed in the current transaction.  Before the worker commits a
- * transaction that freed blocks it waits for every IO that entered an
- * epoch before the commit started: an IO remapped through a stale cache
- * entry finishes before its block can be reused.
+ * Deferred free: a data block unmapped by a discard, or whose last
+ * mapping a broken share replaced, is freed in the current metadata
+ * transaction, and the data space map does not hand out a block freed in
+ * the current transaction.  A commit of a transaction that freed blocks
+ * first waits for every IO that entered an epoch before the commit
+ * started: an IO remapped through a stale cache entry finishes before its
+ * block can be reused.
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
  * bio that depends on uncommitted mappings is issued (or completed) only
@@ -46,14 +53,16 @@
  *
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
+ *   pool->mode_lock    a change of pool mode; low_water_triggered
  *   pool->commit_lock  a commit, and changes that free data blocks
  *                      (discard, delete), with freed_this_transaction;
  *                      also metadata_low_water_triggered
- *   pool->lock         (irq-safe spinlock) pool->completed_jobs,
- *                      pool->retry_list
- *   worker-private     everything else the worker touches: the job table,
- *                      pool->flush_waiters, pool->issue_after_commit; only
- *                      the pool's single ordered work item runs it
+ *   pool->lock         (irq-safe spinlock) pool->retry_list
+ *   worker->lock       (irq-safe spinlock) worker->completed_jobs
+ *   worker-private     the worker's job table, flush_waiters and
+ *                      issue_after_commit: only its work item touches
+ *                      them, and a work item never runs twice at once
+ *   worker->deferred   llist: pushed by anyone, emptied by the worker
  *   metadata           dm-thin-metadata.c's own rw_semaphore
  *   fast path          RCU and per-CPU counters only
  */
@@ -90,7 +99,12 @@
 #define STATUS_NOFLUSH_FLAG (1 << 0)
 
 #define COMMIT_PERIOD HZ
-#define JOB_HASH_BITS 10
+#define JOB_HASH_BITS 8
+/*
+ * Virtual blocks of a thin device are dealt to workers in regions of
+ * this many: a region's bios and jobs all belong to one worker.
+ */
+#define REGION_BLOCKS 128
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
 #define METADATA_LOW_WATER_BLOCKS 1024ULL
 /*
@@ -152,7 +166,8 @@ struct pool {
 	struct dm_kcopyd_client *copier;
 	struct bio_set zero_bios;		/* zeroing new blocks */
 	struct workqueue_struct *wq;
-	struct work_struct worker;
+	struct worker *workers;
+	unsigned int nr_workers;
 	struct delayed_work waker;
 	struct delayed_work no_space_timeout;
 
@@ -163,11 +178,10 @@ struct pool {
 	u32 sectors_per_block;
 	int sectors_per_block_shift;		/* -1 if not a power of 2 */
 	tsp_block_t low_water_blocks;
-	bool low_water_triggered;
+	bool low_water_triggered;		/* mode_lock */
 	bool metadata_low_water_triggered;
 	bool suspended;
 
-	struct llist_head __percpu *deferred;
 	struct epoch_counts __percpu *epoch;
 	unsigned int epoch_index;
 	struct pool_stats __percpu *stats;
@@ -179,17 +193,32 @@ struct pool {
 	 */
 	struct mutex commit_lock;
 	bool freed_this_transaction;		/* commit_lock */
+	/* Serialises mode changes (pf.mode is also read locklessly). */
+	struct mutex mode_lock;
 
 	spinlock_t lock;
-	struct list_head completed_jobs;	/* lock */
 	struct bio_list retry_list;		/* lock: out of space */
+};
 
-	/* Worker-private. */
+/*
+ * A worker: the owner of the regions that hash to it (worker_for()).  It
+ * alone processes their bios and jobs, so its job table needs no lock.
+ */
+struct worker {
+	struct work_struct work;
+	struct pool *pool;
+	int cpu;				/* where it is queued */
+	struct llist_head deferred;		/* bios for it, from any CPU */
+
+	spinlock_t lock;
+	struct list_head completed_jobs;	/* lock: IO done, to map */
+
+	/* Private to the work item. */
 	struct hlist_head jobs[1 << JOB_HASH_BITS];
 	struct bio_list flush_waiters;		/* complete after commit */
 	struct bio_list issue_after_commit;	/* issue after commit */
 	bool commit_requested;
-};
+} ____cacheline_aligned_in_smp;
 
 /* One table's pool target. */
 struct pool_c {
@@ -229,11 +258,13 @@ struct thin_bio {
 
 struct job {
 	struct hlist_node hash;
-	struct list_head list;		/* pool->completed_jobs */
+	struct list_head list;		/* worker->completed_jobs */
+	struct worker *worker;		/* the block's owner */
 	struct thin_c *tc;
 	struct tsp_new_mapping mapping;	/* virtual block -> new data block */
 	struct bio *bio;		/* issued once the mapping exists */
 	bool bio_wrote_block;		/* @bio went first, with any zeroing */
+	bool breaks_sharing;		/* replaces a shared block's mapping */
 	struct bio_list waiting;	/* later bios for the same block */
 	atomic_t pending;		/* IOs filling the block */
 	int err;			/* of the first IO that failed */
@@ -300,9 +331,19 @@ static bool pool_is_read_only(struct pool *pool)
 	return pool_mode(pool) >= PM_OUT_OF_METADATA_SPACE;
 }
 
-static void wake_worker(struct pool *pool)
+static void wake_worker(struct worker *w)
 {
-	queue_work(pool->wq, &pool->worker);
+	queue_work_on(w->cpu, w->pool->wq, &w->work);
+}
+
+/* The owner of @virt of @tc. */
+static struct worker *worker_for(struct thin_c *tc, tsp_block_t virt)
+{
+	struct pool *pool = tc->pool;
+	u64 region = div_u64(virt, REGION_BLOCKS);
+
+	return &pool->workers[hash_64(region ^ ((u64)tc->dev_id << 40), 32) %
+			      pool->nr_workers];
 }
 
 /*----------------------------------------------------------------
@@ -397,14 +438,16 @@ static void error_retry_list(struct pool *pool, blk_status_t status);
 
 static void set_pool_mode(struct pool *pool, enum pool_mode mode)
 {
-	enum pool_mode old = pool_mode(pool);
+	enum pool_mode old;
 
+	mutex_lock(&pool->mode_lock);
+	old = pool_mode(pool);
 	if (mode == old)
-		return;
+		goto out;
 	if (old == PM_FAIL) {
 		DMERR("%s: pool in fail mode cannot change mode",
 		      dm_device_name(pool->pool_md));
-		return;
+		goto out;
 	}
 
 	if (mode >= PM_READ_ONLY)
@@ -423,6 +466,8 @@ static void set_pool_mode(struct pool *pool, enum pool_mode mode)
 	       mode_name(mode));
 	if (pool->ti)
 		dm_table_event(pool->ti->table);
+out:
+	mutex_unlock(&pool->mode_lock);
 }
 
 /*
@@ -579,26 +624,31 @@ static int commit(struct pool *pool)
 	return r;
 }
 
-/* Worker: commit if anyone waits for it, then release them. */
-static void process_commit(struct pool *pool)
+/*
+ * Worker: commit if any of its bios waits for it, then release them.  A
+ * commit covers every worker's changes: one made by another worker since
+ * finds nothing left to commit.
+ */
+static void process_commit(struct worker *w)
 {
+	struct pool *pool = w->pool;
 	struct bio_list waiters, issue;
 	struct bio *bio;
 	blk_status_t status = BLK_STS_OK;
 
-	if (bio_list_empty(&pool->flush_waiters) &&
-	    bio_list_empty(&pool->issue_after_commit) &&
-	    !pool->commit_requested)
+	if (bio_list_empty(&w->flush_waiters) &&
+	    bio_list_empty(&w->issue_after_commit) &&
+	    !w->commit_requested)
 		return;
 
-	pool->commit_requested = false;
+	w->commit_requested = false;
 	if (commit(pool) && pool_mode(pool) >= PM_READ_ONLY)
 		status = BLK_STS_IOERR;
 
-	waiters = pool->flush_waiters;
-	bio_list_init(&pool->flush_waiters);
-	issue = pool->issue_after_commit;
-	bio_list_init(&pool->issue_after_commit);
+	waiters = w->flush_waiters;
+	bio_list_init(&w->flush_waiters);
+	issue = w->issue_after_commit;
+	bio_list_init(&w->issue_after_commit);
 
 	while ((bio = bio_list_pop(&waiters))) {
 		bio->bi_status = status;
@@ -620,35 +670,35 @@ static void process_commit(struct pool *pool)
 /*----------------------------------------------------------------
  * Jobs: provisioning one block
  *--------------------------------------------------------------*/
-static struct hlist_head *job_bucket(struct pool *pool, struct thin_c *tc,
+static struct hlist_head *job_bucket(struct worker *w, struct thin_c *tc,
 				     tsp_block_t virt)
 {
-	return &pool->jobs[hash_64(virt ^ ((u64)tc->dev_id << 40),
-				   JOB_HASH_BITS)];
+	return &w->jobs[hash_64(virt ^ ((u64)tc->dev_id << 40), JOB_HASH_BITS)];
 }
 
-static struct job *find_job(struct pool *pool, struct thin_c *tc,
+static struct job *find_job(struct worker *w, struct thin_c *tc,
 			    tsp_block_t virt)
 {
 	struct job *job;
 
-	hlist_for_each_entry(job, job_bucket(pool, tc, virt), hash)
+	hlist_for_each_entry(job, job_bucket(w, tc, virt), hash)
 		if (job->tc == tc && job->mapping.virt == virt)
 			return job;
 	return NULL;
 }
 
-/* Make @job the one running for @virt of @tc. */
-static void add_job(struct pool *pool, struct job *job, struct thin_c *tc,
+/* Make @job the one running for @virt of @tc, which @w owns. */
+static void add_job(struct worker *w, struct job *job, struct thin_c *tc,
 		    tsp_block_t virt, struct bio *bio)
 {
+	job->worker = w;
 	job->tc = tc;
 	job->mapping.td = tc->td;
 	job->mapping.virt = virt;
 	job->bio = bio;
 	bio_list_init(&job->waiting);
 	atomic_set(&job->pending, 1);
-	hlist_add_head(&job->hash, job_bucket(pool, tc, virt));
+	hlist_add_head(&job->hash, job_bucket(w, tc, virt));
 }
 
 /*
@@ -657,7 +707,7 @@ static void add_job(struct pool *pool, struct job *job, struct thin_c *tc,
  */
 static void job_io_done(struct job *job, int err)
 {
-	struct pool *pool = job->tc->pool;
+	struct worker *w = job->worker;
 	unsigned long flags;
 	bool first;
 
@@ -665,13 +715,13 @@ static void job_io_done(struct job *job, int err)
 		WRITE_ONCE(job->err, err);
 	if (!atomic_dec_and_test(&job->pending))
 		return;
-	spin_lock_irqsave(&pool->lock, flags);
-	first = list_empty(&pool->completed_jobs);
-	list_add_tail(&job->list, &pool->completed_jobs);
-	spin_unlock_irqrestore(&pool->lock, flags);
+	spin_lock_irqsave(&w->lock, flags);
+	first = list_empty(&w->completed_jobs);
+	list_add_tail(&job->list, &w->completed_jobs);
+	spin_unlock_irqrestore(&w->lock, flags);
 	/* Otherwise whoever added the first woke the worker. */
 	if (first)
-		wake_worker(pool);
+		wake_worker(w);
 }
 
 static void kcopyd_done(int read_err, unsigned long write_err, void *context)
@@ -801,8 +851,9 @@ static void copy_from_origin(struct thin_c *tc, struct job *job)
 static void defer_bio(struct pool *pool, struct bio *bio);
 
 /* Worker: @job's block is mapped, or failed with job->err; release the bios. */
-static void finish_job(struct pool *pool, struct job *job)
+static void finish_job(struct worker *w, struct job *job)
 {
+	struct pool *pool = w->pool;
 	struct bio *bio = job->bio;
 
 	hlist_del(&job->hash);
@@ -811,13 +862,13 @@ static void finish_job(struct pool *pool, struct job *job)
 		bio_endio(bio);
 	} else if (job->bio_wrote_block) {
 		if (bio_needs_commit(bio))
-			bio_list_add(&pool->flush_waiters, bio);
+			bio_list_add(&w->flush_waiters, bio);
 		else
 			bio_endio(bio);
 	} else if (bio_needs_commit(bio)) {
 		/* Issue the data write once the mapping is durable. */
 		remap(pool, bio, job->mapping.data);
-		bio_list_add(&pool->issue_after_commit, bio);
+		bio_list_add(&w->issue_after_commit, bio);
 	} else {
 		issue_remapped(pool, bio, job->mapping.data);
 	}
@@ -834,28 +885,47 @@ static void finish_job(struct pool *pool, struct job *job)
  * the submitter woken by the first completed bio before it has completed
  * the others.
  */
-static void process_completed_jobs(struct pool *pool)
+static void process_completed_jobs(struct worker *w)
 {
+	struct pool *pool = w->pool;
 	struct job *job, *tmp;
 	LIST_HEAD(jobs);
 	LIST_HEAD(mappings);
 	unsigned int nr_inserted;
+	bool frees = false;
 	int r = 0;
 
-	spin_lock_irq(&pool->lock);
-	list_splice_init(&pool->completed_jobs, &jobs);
-	spin_unlock_irq(&pool->lock);
+	spin_lock_irq(&w->lock);
+	list_splice_init(&w->completed_jobs, &jobs);
+	spin_unlock_irq(&w->lock);
+	if (list_empty(&jobs))
+		return;
 
-	list_for_each_entry(job, &jobs, list)
-		if (!job->err)
+	list_for_each_entry(job, &jobs, list) {
+		if (!job->err) {
 			list_add_tail(&job->mapping.list, &mappings);
+			frees |= job->breaks_sharing;
+		}
+	}
 
 	/* Read-only metadata: the blocks cannot be mapped, their IO fails. */
 	if (pool_mode(pool) >= PM_READ_ONLY) {
 		r = -EIO;
 		nr_inserted = 0;
 	} else {
+		/*
+		 * A mapping that replaces a shared block's drops a reference
+		 * to it, which may free it: reads of it still in flight must
+		 * finish before it is reused (see "Deferred free").
+		 */
+		if (frees)
+			mutex_lock(&pool->commit_lock);
 		r = tsp_pool_insert_mappings(pool->pmd, &mappings, &nr_inserted);
+		if (frees) {
+			if (nr_inserted)
+				pool->freed_this_transaction = true;
+			mutex_unlock(&pool->commit_lock);
+		}
 		if (r)
 			metadata_failed(pool, "insert_block", r);
 	}
@@ -867,7 +937,7 @@ static void process_completed_jobs(struct pool *pool)
 	}
 
 	list_for_each_entry_safe(job, tmp, &jobs, list)
-		finish_job(pool, job);
+		finish_job(w, job);
 }
 
 /*----------------------------------------------------------------
@@ -934,15 +1004,20 @@ static void check_low_water_mark(struct pool *pool)
 {
 	tsp_block_t free;
 
-	if (pool->low_water_triggered ||
+	if (READ_ONCE(pool->low_water_triggered) ||
 	    tsp_pool_get_free_block_count(pool->pmd, &free) ||
 	    free > pool->low_water_blocks)
 		return;
-	DMWARN("%s: reached low water mark for data device: sending event",
-	       dm_device_name(pool->pool_md));
-	pool->low_water_triggered = true;
-	if (pool->ti)
-		dm_table_event(pool->ti->table);
+	/* Once, whichever worker gets here first. */
+	mutex_lock(&pool->mode_lock);
+	if (!pool->low_water_triggered) {
+		DMWARN("%s: reached low water mark for data device: sending event",
+		       dm_device_name(pool->pool_md));
+		WRITE_ONCE(pool->low_water_triggered, true);
+		if (pool->ti)
+			dm_table_event(pool->ti->table);
+	}
+	mutex_unlock(&pool->mode_lock);
 }
 
 /*----------------------------------------------------------------
@@ -999,8 +1074,8 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
  * copying the shared block or the external origin, then map it
  * (process_completed_jobs).
  */
-static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
-		      const tsp_block_t *old_block)
+static void provision(struct worker *w, struct thin_c *tc, struct bio *bio,
+		      tsp_block_t virt, const tsp_block_t *old_block)
 {
 	struct pool *pool = tc->pool;
 	struct dm_io_region to, from;
@@ -1016,7 +1091,8 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 		kmem_cache_free(job_cache, job);
 		return;
 	}
-	add_job(pool, job, tc, virt, bio);
+	add_job(w, job, tc, virt, bio);
+	job->breaks_sharing = !!old_block;
 
 	if (bio_covers_block(pool, bio)) {
 		start_overwrite(pool, job);
@@ -1035,7 +1111,12 @@ static void provision(struct thin_c *tc, struct bio *bio, tsp_block_t virt,
 	}
 }
 
-static void process_discard(struct thin_c *tc, struct bio *bio)
+/*
+ * Unmap the whole blocks @bio covers.  thin_map() cut it at the end of
+ * its first block's region, so @w owns all of them.
+ */
+static void process_discard(struct worker *w, struct thin_c *tc,
+			    struct bio *bio)
 {
 	struct pool *pool = tc->pool;
 	sector_t start = bio->bi_iter.bi_sector;
@@ -1056,7 +1137,7 @@ static void process_discard(struct thin_c *tc, struct bio *bio)
 	end_b = div_u64(end, pool->sectors_per_block);
 
 	for (b = begin_b; b < end_b; b++) {
-		struct job *job = find_job(pool, tc, b);
+		struct job *job = find_job(w, tc, b);
 
 		if (job) {
 			bio_list_add(&job->waiting, bio);
@@ -1124,7 +1205,7 @@ static void read_unprovisioned(struct thin_c *tc, struct bio *bio)
 	submit_bio_noacct(bio);
 }
 
-static void process_bio(struct thin_c *tc, struct bio *bio)
+static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio)
 {
 	struct pool *pool = tc->pool;
 	struct tsp_thin_lookup_result result;
@@ -1138,19 +1219,19 @@ static void process_bio(struct thin_c *tc, struct bio *bio)
 	}
 
 	if (bio_op(bio) == REQ_OP_DISCARD) {
-		process_discard(tc, bio);
+		process_discard(w, tc, bio);
 		return;
 	}
 
 	if (!bio_has_data(bio)) {
 		/* An empty flush: after the commit, on to the data device. */
-		pool->commit_requested = true;
-		bio_list_add(&pool->issue_after_commit, bio);
+		w->commit_requested = true;
+		bio_list_add(&w->issue_after_commit, bio);
 		return;
 	}
 
 	virt = bio_block(pool, bio);
-	job = find_job(pool, tc, virt);
+	job = find_job(w, tc, virt);
 	if (job) {
 		bio_list_add(&job->waiting, bio);
 		return;
@@ -1161,7 +1242,7 @@ static void process_bio(struct thin_c *tc, struct bio *bio)
 		if (bio_data_dir(bio) == READ)
 			read_unprovisioned(tc, bio);
 		else
-			provision(tc, bio, virt, NULL);
+			provision(w, tc, bio, virt, NULL);
 		return;
 	}
 	if (r) {
@@ -1173,46 +1254,42 @@ static void process_bio(struct thin_c *tc, struct bio *bio)
 	}
 
 	if (bio_data_dir(bio) == WRITE && result.shared) {
-		provision(tc, bio, virt, &result.block);
+		provision(w, tc, bio, virt, &result.block);
 		return;
 	}
 
 	if (bio_needs_commit(bio) &&
 	    tsp_pool_changed_this_transaction(pool->pmd)) {
 		remap(pool, bio, result.block);
-		bio_list_add(&pool->issue_after_commit, bio);
+		bio_list_add(&w->issue_after_commit, bio);
 		return;
 	}
 	issue_remapped(pool, bio, result.block);
 }
 
-static void process_deferred_bios(struct pool *pool)
+static void process_deferred_bios(struct worker *w)
 {
 	struct llist_node *list;
 	struct thin_bio *tb, *tmp;
-	int cpu;
 
-	for_each_possible_cpu(cpu) {
-		list = llist_del_all(per_cpu_ptr(pool->deferred, cpu));
-		list = llist_reverse_order(list);
-		llist_for_each_entry_safe(tb, tmp, list, node) {
-			struct bio *bio = dm_bio_from_per_bio_data(tb, sizeof(*tb));
+	list = llist_reverse_order(llist_del_all(&w->deferred));
+	llist_for_each_entry_safe(tb, tmp, list, node) {
+		struct bio *bio = dm_bio_from_per_bio_data(tb, sizeof(*tb));
 
-			process_bio(tb->tc, bio);
-			cond_resched();
-		}
+		process_bio(w, tb->tc, bio);
+		cond_resched();
 	}
 }
 
 static void do_worker(struct work_struct *ws)
 {
-	struct pool *pool = container_of(ws, struct pool, worker);
+	struct worker *w = container_of(ws, struct worker, work);
 
-	process_completed_jobs(pool);
-	process_deferred_bios(pool);
+	process_completed_jobs(w);
+	process_deferred_bios(w);
 	/* Jobs whose IO already completed finish in this pass. */
-	process_completed_jobs(pool);
-	process_commit(pool);
+	process_completed_jobs(w);
+	process_commit(w);
 }
 
 /* Commit once a second when the metadata changed. */
@@ -1220,27 +1297,33 @@ static void do_waker(struct work_struct *ws)
 {
 	struct pool *pool = container_of(to_delayed_work(ws), struct pool, waker);
 
-	if (tsp_pool_changed_this_transaction(pool->pmd)) {
-		pool->commit_requested = true;
-		wake_worker(pool);
-	}
+	if (tsp_pool_changed_this_transaction(pool->pmd))
+		(void)commit(pool);
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
 }
 
-/* Hand @bio to the worker through this CPU's deferred list. */
+/*
+ * Hand @bio to its owner: that of its block, or for an empty flush, this
+ * CPU's worker.
+ */
 static void defer_bio(struct pool *pool, struct bio *bio)
 {
 	struct thin_bio *tb = thin_bio(bio);
+	struct worker *w;
 
+	if (bio_sectors(bio))
+		w = worker_for(tb->tc, bio_block(pool, bio));
+	else
+		w = &pool->workers[raw_smp_processor_id() % pool->nr_workers];
 	this_cpu_inc(pool->stats->deferred);
 	/*
 	 * Only the bio that finds the list empty wakes the worker: the
-	 * worker empties a list before it processes what was on it, so a
+	 * worker empties the list before it processes what was on it, so a
 	 * bio added to a non-empty list will be seen by the pass that the
 	 * first one's wake-up queued.
 	 */
-	if (llist_add(&tb->node, this_cpu_ptr(pool->deferred)))
-		wake_worker(pool);
+	if (llist_add(&tb->node, &w->deferred))
+		wake_worker(w);
 }
 
 /*----------------------------------------------------------------
@@ -1257,10 +1340,22 @@ static void pool_destroy(struct pool *pool)
 	if (pool->wq)
 		destroy_workqueue(pool->wq);
 	bioset_exit(&pool->zero_bios);
-	free_percpu(pool->deferred);
+	kfree(pool->workers);
 	free_percpu(pool->epoch);
 	free_percpu(pool->stats);
 	kfree(pool);
+}
+
+static void init_worker(struct worker *w, struct pool *pool, int cpu)
+{
+	INIT_WORK(&w->work, do_worker);
+	w->pool = pool;
+	w->cpu = cpu;
+	init_llist_head(&w->deferred);
+	spin_lock_init(&w->lock);
+	INIT_LIST_HEAD(&w->completed_jobs);
+	bio_list_init(&w->flush_waiters);
+	bio_list_init(&w->issue_after_commit);
 }
 
 static struct pool *pool_create(struct mapped_device *pool_md,
@@ -1269,6 +1364,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 				u32 sectors_per_block, bool format, char **error)
 {
 	struct pool *pool;
+	unsigned int i;
 	int r, cpu;
 
 	pool = kzalloc(sizeof(*pool), GFP_KERNEL);
@@ -1302,25 +1398,31 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	pool->ref_count = 1;
 	spin_lock_init(&pool->lock);
 	mutex_init(&pool->commit_lock);
-	INIT_LIST_HEAD(&pool->completed_jobs);
+	mutex_init(&pool->mode_lock);
 	bio_list_init(&pool->retry_list);
-	bio_list_init(&pool->flush_waiters);
-	bio_list_init(&pool->issue_after_commit);
-	INIT_WORK(&pool->worker, do_worker);
 	INIT_DELAYED_WORK(&pool->waker, do_waker);
 	INIT_DELAYED_WORK(&pool->no_space_timeout, do_no_space_timeout);
 	atomic64_set(&pool->commits, 0);
 
 	r = -ENOMEM;
-	pool->deferred = alloc_percpu(struct llist_head);
 	pool->epoch = alloc_percpu(struct epoch_counts);
 	pool->stats = alloc_percpu(struct pool_stats);
-	if (!pool->deferred || !pool->epoch || !pool->stats) {
+	if (!pool->epoch || !pool->stats) {
 		*error = "Error allocating per-CPU state";
 		goto bad;
 	}
+
+	/* A worker per possible CPU, queued there. */
+	pool->nr_workers = num_possible_cpus();
+	pool->workers = kcalloc(pool->nr_workers, sizeof(*pool->workers),
+				GFP_KERNEL);
+	if (!pool->workers) {
+		*error = "Error allocating the pool's workers";
+		goto bad;
+	}
+	i = 0;
 	for_each_possible_cpu(cpu)
-		init_llist_head(per_cpu_ptr(pool->deferred, cpu));
+		init_worker(&pool->workers[i++], pool, cpu);
 
 	r = bioset_init(&pool->zero_bios, BIO_POOL_SIZE, 0, BIOSET_NEED_BVECS);
 	if (r) {
@@ -1328,7 +1430,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 	r = -ENOMEM;
-	pool->wq = alloc_ordered_workqueue("tsp-" DM_MSG_PREFIX, WQ_MEM_RECLAIM);
+	pool->wq = alloc_workqueue("tsp-" DM_MSG_PREFIX, WQ_MEM_RECLAIM, 0);
 	if (!pool->wq) {
 		*error = "Error creating pool's workqueue";
 		goto bad;
@@ -1679,7 +1781,9 @@ static void pool_resume(struct dm_target *ti)
 	struct pool *pool = pt->pool;
 
 	pool->suspended = false;
+	mutex_lock(&pool->mode_lock);
 	pool->low_water_triggered = false;
+	mutex_unlock(&pool->mode_lock);
 	pool->metadata_low_water_triggered = false;
 	requeue_retry_list(pool);
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
@@ -2060,6 +2164,15 @@ bad_free:
 	return r;
 }
 
+/* Leave the part of @bio from block @end on to dm core, as a new bio. */
+static void cut_bio_at(struct pool *pool, struct bio *bio, tsp_block_t end)
+{
+	sector_t end_sector = end * pool->sectors_per_block;
+
+	if (bio_end_sector(bio) > end_sector)
+		dm_accept_partial_bio(bio, end_sector - bio->bi_iter.bi_sector);
+}
+
 /*
  * Fast lookup of @virt for @bio: mapped, cached, and (for a write) not
  * shared.  Caller holds rcu_read_lock().
@@ -2096,9 +2209,7 @@ static bool map_fast(struct thin_c *tc, struct bio *bio)
 	for (n = 1; virt + n <= last; n++)
 		if (!find_block_fast(tc, bio, virt + n, &next) || next != first + n)
 			break;
-	if (virt + n <= last)
-		dm_accept_partial_bio(bio, (virt + n) * pool->sectors_per_block -
-				      bio->bi_iter.bi_sector);
+	cut_bio_at(pool, bio, virt + n);
 	epoch_enter(pool, bio);
 	rcu_read_unlock();
 
@@ -2110,27 +2221,27 @@ static bool map_fast(struct thin_c *tc, struct bio *bio)
 /*
  * The map path.  The fast path remaps reads and plain writes to blocks
  * this device owns alone without taking any lock; everything else is
- * deferred to the worker, one block per bio.
+ * deferred to the worker that owns its block, one block per bio (a
+ * discard: one region).
  */
 static int thin_map(struct dm_target *ti, struct bio *bio)
 {
 	struct thin_c *tc = ti->private;
 	struct pool *pool = tc->pool;
 	struct thin_bio *tb = thin_bio(bio);
-	sector_t end_of_block;
 
 	tb->tc = tc;
 	tb->epoch = -1;
 	bio->bi_iter.bi_sector = dm_target_offset(ti, bio->bi_iter.bi_sector);
 
-	if (bio_has_data(bio) && bio_op(bio) != REQ_OP_DISCARD) {
+	if (bio_op(bio) == REQ_OP_DISCARD) {
+		/* One region, so that one worker owns all of its blocks. */
+		cut_bio_at(pool, bio, (bio_block(pool, bio) | (REGION_BLOCKS - 1)) + 1);
+	} else if (bio_has_data(bio)) {
 		if (!bio_needs_commit(bio) && pool_mode(pool) < PM_FAIL &&
 		    map_fast(tc, bio))
 			return DM_MAPIO_REMAPPED;
-
-		end_of_block = (bio_block(pool, bio) + 1) * pool->sectors_per_block;
-		if (bio_end_sector(bio) > end_of_block)
-			dm_accept_partial_bio(bio, end_of_block - bio->bi_iter.bi_sector);
+		cut_bio_at(pool, bio, bio_block(pool, bio) + 1);
 	}
 
 	defer_bio(pool, bio);
