@@ -68,6 +68,12 @@ struct tsp_data_sm {
 /* How far one search looks past the free block it finds. */
 #define FREE_RUN_MAX 1024
 
+static void forget_free_run(struct tsp_data_sm *sm)
+{
+	sm->run_begin = 0;
+	sm->run_end = 0;
+}
+
 static u64 nr_bitmaps(tsp_block_t nr_blocks)
 {
 	return nr_blocks / TSP_ENTRIES_PER_BITMAP +
@@ -421,7 +427,7 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 
 	if (!old && count) {
 		if (b >= sm->run_begin && b < sm->run_end)
-			sm->run_begin = sm->run_end = 0;
+			forget_free_run(sm);
 		ie->nr_free--;
 		if (pos == ie->none_free_before)
 			ie->none_free_before = pos + 1;
@@ -626,7 +632,7 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 	if (sm->nr_bitmaps)
 		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 	sm->alloc_cursor = 0;
-	sm->run_begin = sm->run_end = 0;
+	forget_free_run(sm);
 
 	memset(root, 0, TSP_SM_ROOT_SIZE);
 	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);
