@@ -105,6 +105,8 @@
  * this many: a region's bios and jobs all belong to one worker.
  */
 #define REGION_BLOCKS 128
+/* Workers per pool: one per possible CPU, up to this many. */
+#define MAX_WORKERS 64
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
 #define METADATA_LOW_WATER_BLOCKS 1024ULL
 /*
@@ -1413,7 +1415,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	}
 
 	/* A worker per possible CPU, queued there. */
-	pool->nr_workers = num_possible_cpus();
+	pool->nr_workers = min_t(unsigned int, num_possible_cpus(), MAX_WORKERS);
 	pool->workers = kcalloc(pool->nr_workers, sizeof(*pool->workers),
 				GFP_KERNEL);
 	if (!pool->workers) {
@@ -1421,8 +1423,11 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 	i = 0;
-	for_each_possible_cpu(cpu)
+	for_each_possible_cpu(cpu) {
+		if (i == pool->nr_workers)
+			break;
 		init_worker(&pool->workers[i++], pool, cpu);
+	}
 
 	r = bioset_init(&pool->zero_bios, BIO_POOL_SIZE, 0, BIOSET_NEED_BVECS);
 	if (r) {
