@@ -105,7 +105,7 @@
  * this many: a region's bios and jobs all belong to one worker.
  */
 #define REGION_BLOCKS 128
-/* Workers per pool: one per possible CPU, up to this many. */
+/* Workers per pool at most (pool_workers). */
 #define MAX_WORKERS 64
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
 #define METADATA_LOW_WATER_BLOCKS 1024ULL
@@ -121,6 +121,16 @@ static unsigned int no_space_timeout_secs = 60;
 module_param_named(no_space_timeout, no_space_timeout_secs, uint, 0644);
 MODULE_PARM_DESC(no_space_timeout,
 		 "Out of data space queue IO timeout in seconds (0: queue forever)");
+
+/*
+ * One worker by default: under emulation, with the metadata lock
+ * ordering every worker's btree work, more workers lost to one at 2 and
+ * 8 vCPUs (README, Performance).
+ */
+static unsigned int pool_workers = 1;
+module_param(pool_workers, uint, 0644);
+MODULE_PARM_DESC(pool_workers,
+		 "Workers per pool, each owning part of the virtual blocks (0: one per CPU, at most 64); read when a pool is created");
 
 static unsigned int cache_budget_mib = 64;
 module_param_named(cache_budget_mib, cache_budget_mib, uint, 0644);
@@ -1414,8 +1424,11 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 
-	/* A worker per possible CPU, queued there. */
-	pool->nr_workers = min_t(unsigned int, num_possible_cpus(), MAX_WORKERS);
+	/* Workers queued on the first possible CPUs, one per CPU at most. */
+	i = READ_ONCE(pool_workers);
+	if (!i || i > num_possible_cpus())
+		i = num_possible_cpus();
+	pool->nr_workers = min_t(unsigned int, i, MAX_WORKERS);
 	pool->workers = kcalloc(pool->nr_workers, sizeof(*pool->workers),
 				GFP_KERNEL);
 	if (!pool->workers) {
@@ -1874,12 +1887,13 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 	tsp_pool_cache_stats(pool->pmd, &cache);
 
 	DMEMIT("fast_ios %llu deferred_ios %llu cache_entries %llu cache_hits %llu "
-	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu",
+	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu "
+	       "workers %u",
 	       (unsigned long long)sum.fast, (unsigned long long)sum.deferred,
 	       (unsigned long long)cache.entries, (unsigned long long)cache.hits,
 	       (unsigned long long)cache.misses, (unsigned long long)cache.evictions,
 	       (unsigned long long)atomic64_read(&pool->commits),
-	       (unsigned long long)(nr - nr_free));
+	       (unsigned long long)(nr - nr_free), pool->nr_workers);
 	return 1;
 }
 

@@ -18,6 +18,22 @@ else
 fi
 # shellcheck disable=SC2034 # used by the test files
 NO_SPACE_TIMEOUT=/sys/module/$TSS_MODULE/parameters/no_space_timeout
+
+# Pools made by the suite get a worker per CPU (pool_workers=0; the
+# module's default is one), so that workers owning different regions run
+# at the same time.  TSS_POOL_WORKERS=N for another count.
+POOL_WORKERS=/sys/module/$TSS_MODULE/parameters/pool_workers
+if [ -w "$POOL_WORKERS" ]; then
+	echo "${TSS_POOL_WORKERS:-0}" >"$POOL_WORKERS"
+fi
+expected_workers() { # what the "stats" message should say
+	local n=${TSS_POOL_WORKERS:-0} cpus=0 r
+	for r in $(tr ',' ' ' </sys/devices/system/cpu/possible); do
+		cpus=$((cpus + ${r#*-} - ${r%-*} + 1))
+	done
+	{ [ "$n" = 0 ] || [ "$n" -gt "$cpus" ]; } && n=$cpus
+	echo $((n > 64 ? 64 : n))
+}
 META_MIB=64
 LOW_WATER=16
 

@@ -502,6 +502,8 @@ test_messages() {
 		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "stats: no commits: '$out'"
 		[[ $out =~ provisioned_blocks\ ([0-9]+) ]] || fail "stats: no provisioned_blocks: '$out'"
 		assert_eq 64 "${BASH_REMATCH[1]}" "stats: provisioned_blocks"
+		[[ $out =~ workers\ ([0-9]+) ]] || fail "stats: no workers: '$out'"
+		assert_eq "$(expected_workers)" "${BASH_REMATCH[1]}" "stats: workers"
 	fi
 
 	check_pool_status tss-pool
