@@ -139,13 +139,13 @@ struct tsp_thin_device {
 
 	/*
 	 * The device's mapping tree root as the top-level tree holds it,
-	 * valid while @root_gen equals pmd->roots_gen.  @root_writable: the
-	 * top-level path to it has been shadowed in this transaction and
-	 * the root is this transaction's own, so updates may skip both.
+	 * valid while @root_gen equals pmd->roots_gen.  Set only by updates
+	 * (under @root_lock held for writing), once they have shadowed the
+	 * top-level path to the root in this transaction: while it is
+	 * valid, lookups and updates skip the top-level tree.
 	 */
 	tsp_block_t root;
 	u64 root_gen;
-	bool root_writable;
 };
 
 /*----------------------------------------------------------------
@@ -618,16 +618,8 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
 	return r;
 }
 
-/**
- * tsp_pool_abort_metadata - drop every uncommitted change
- * @pmd: pool metadata
- *
- * Rereads the last committed superblock.  Open devices keep their
- * handles, with their details as committed.  The mapping cache is
- * emptied first.  Returns 0, or the error from rereading (the metadata
- * stays failed, and may be aborted again).
- */
-int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
+/* tsp_pool_abort_metadata(), with @root_lock held for writing. */
+static int __abort(struct tsp_pool_metadata *pmd)
 {
 	struct tsp_thin_device *td, **link;
 	struct disk_device_details disk;
@@ -636,11 +628,7 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 	struct tsp_tm *old_tm;
 	int r;
 
-	down_write(&pmd->root_lock);
-	if (pmd->read_only) {
-		up_write(&pmd->root_lock);
-		return -EPERM;
-	}
+	lockdep_assert_held_write(&pmd->root_lock);
 	old_tm = pmd->tm;
 	old_data_sm = pmd->data_sm;
 	pmd->tm = NULL;
@@ -682,6 +670,60 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 	pmd->fail_io = false;
 	pmd->changed = false;
 out:
+	return r;
+}
+
+/**
+ * tsp_pool_abort_metadata - drop every uncommitted change
+ * @pmd: pool metadata
+ *
+ * Rereads the last committed superblock.  Open devices keep their
+ * handles, with their details as committed.  The mapping cache is
+ * emptied first.  Returns 0, or the error from rereading (the metadata
+ * stays failed, and may be aborted again).
+ */
+int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
+{
+	int r;
+
+	down_write(&pmd->root_lock);
+	r = pmd->read_only ? -EPERM : __abort(pmd);
+	up_write(&pmd->root_lock);
+	return r;
+}
+
+/**
+ * tsp_pool_metadata_fail - give up after a failed update
+ * @pmd: pool metadata
+ *
+ * Aborts the transaction, sets the needs_check flag (committing it) and
+ * makes the metadata read only, in one hold of @root_lock: an update
+ * from another thread cannot slip in between and be committed with the
+ * flag, on top of the aborted transaction's allocations.  Does nothing
+ * if the metadata is read only already (another failure got here
+ * first).
+ *
+ * Context: may sleep.
+ *
+ * Return: 0, or the error of the abort or of the commit (the metadata is
+ * then left failed, and read only).
+ */
+int tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd)
+{
+	int r = 0;
+
+	down_write(&pmd->root_lock);
+	if (!pmd->read_only) {
+		r = __abort(pmd);
+		if (!r) {
+			pmd->flags |= THIN_NEEDS_CHECK_FLAG;
+			r = __commit_transaction(pmd);
+			if (r)
+				__fail_io(pmd);
+		}
+		pmd->read_only = true;
+		tsp_bm_set_read_only(pmd->bm);
+	}
 	up_write(&pmd->root_lock);
 	return r;
 }
@@ -1158,13 +1200,9 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 		      (unsigned long long)td->id);
 		return -ENODEV;
 	}
-	if (r)
-		return r;
-	*root = le64_to_cpu(value);
-	td->root = *root;
-	td->root_gen = pmd->roots_gen;
-	td->root_writable = false;
-	return 0;
+	if (!r)
+		*root = le64_to_cpu(value);
+	return r;
 }
 
 /*
@@ -1182,15 +1220,21 @@ static int __device_root_for_update(struct tsp_thin_device *td,
 	__le64 value;
 	int r;
 
+	lockdep_assert_held_write(&pmd->root_lock);
+	if (td->root_gen == pmd->roots_gen) {
+		*root = td->root;
+		return 0;
+	}
 	r = __device_root(td, root);
-	if (r || td->root_writable)
+	if (r)
 		return r;
 	value = cpu_to_le64(*root);
 	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
 			     &pmd->root, NULL);
 	if (r)
 		return r;
-	td->root_writable = true;
+	td->root = *root;
+	td->root_gen = pmd->roots_gen;
 	return 0;
 }
 

@@ -74,6 +74,11 @@ int __must_check tsp_pool_delete_thin_device(struct tsp_pool_metadata *pmd,
 int __must_check tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd);
 /* Drop every change since the last commit; leaves the failed state. */
 int __must_check tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd);
+/*
+ * After a failed update: abort, set needs_check and make the metadata
+ * read only, with no other update in between.
+ */
+int __must_check tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd);
 
 /* Compare and swap: -EINVAL if @current_id is not the stored one. */
 int __must_check tsp_pool_set_metadata_transaction_id(struct tsp_pool_metadata *pmd,

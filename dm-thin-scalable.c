@@ -25,9 +25,10 @@
  *     mapping cache, enters the current epoch and is remapped.  No lock.
  *     A bio over several blocks mapped to consecutive data blocks stays
  *     one bio; dm core splits off whatever the fast path cannot take.
- *   - Everything else goes to a worker: one per CPU, each owning the
- *     virtual blocks of the regions (REGION_BLOCKS blocks of one thin
- *     device) that hash to it, as dm-vdo's logical zones own theirs.  A
+ *   - Everything else goes to a worker (pool_workers of them, one by
+ *     default, on an unbound workqueue), each owning the virtual blocks
+ *     of the regions (REGION_BLOCKS blocks of one thin device) that hash
+ *     to it, as dm-vdo's logical zones own theirs.  A
  *     bio goes on its owner's deferred list (an llist, pushed from any
  *     CPU) and the owner is kicked.  The owner serialises bios per block
  *     through its table of running jobs (the per-block lock table, one
@@ -48,14 +49,15 @@
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
  * bio that depends on uncommitted mappings is issued (or completed) only
- * after the commit covering them.  The worker also commits once a second
+ * after the commit covering them.  The waker also commits once a second
  * when the metadata changed.
  *
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
  *   pool->mode_lock    a change of pool mode; low_water_triggered
  *   pool->commit_lock  a commit, and changes that free data blocks
- *                      (discard, delete), with freed_this_transaction;
+ *                      (discards, batches of mappings that replace
+ *                      shared blocks), with freed_this_transaction;
  *                      also metadata_low_water_triggered
  *   pool->lock         (irq-safe spinlock) pool->retry_list
  *   worker->lock       (irq-safe spinlock) worker->completed_jobs
@@ -219,7 +221,6 @@ struct pool {
 struct worker {
 	struct work_struct work;
 	struct pool *pool;
-	int cpu;				/* where it is queued */
 	struct llist_head deferred;		/* bios for it, from any CPU */
 
 	spinlock_t lock;
@@ -345,7 +346,7 @@ static bool pool_is_read_only(struct pool *pool)
 
 static void wake_worker(struct worker *w)
 {
-	queue_work_on(w->cpu, w->pool->wq, &w->work);
+	queue_work(w->pool->wq, &w->work);
 }
 
 /* The owner of @virt of @tc. */
@@ -488,17 +489,17 @@ out:
  */
 static void metadata_failed(struct pool *pool, const char *op, int r)
 {
+	/*
+	 * Refused, not failed: the metadata is read only, or another
+	 * thread's failure is being dealt with (by that thread).
+	 */
+	if (r == -EPERM)
+		return;
+
 	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
 		    dm_device_name(pool->pool_md), op, r);
-
-	if (tsp_pool_abort_metadata(pool->pmd)) {
-		DMERR("%s: failed to abort metadata transaction",
-		      dm_device_name(pool->pool_md));
-		set_pool_mode(pool, PM_FAIL);
-		return;
-	}
-	if (tsp_pool_metadata_set_needs_check(pool->pmd)) {
-		DMERR("%s: failed to set 'needs_check' flag in metadata",
+	if (tsp_pool_metadata_fail(pool->pmd)) {
+		DMERR("%s: failed to abort metadata transaction and set 'needs_check'",
 		      dm_device_name(pool->pool_md));
 		set_pool_mode(pool, PM_FAIL);
 		return;
@@ -637,6 +638,24 @@ static int commit(struct pool *pool)
 }
 
 /*
+ * Run @op, a metadata operation that commits by itself, after our own
+ * commit (data device flush, IO grace period) and with no block freed in
+ * between.
+ */
+static int commit_then(struct pool *pool,
+		       int (*op)(struct tsp_pool_metadata *pmd))
+{
+	int r;
+
+	mutex_lock(&pool->commit_lock);
+	r = __commit(pool);
+	if (!r)
+		r = op(pool->pmd);
+	mutex_unlock(&pool->commit_lock);
+	return r;
+}
+
+/*
  * Worker: commit if any of its bios waits for it, then release them.  A
  * commit covers every worker's changes: one made by another worker since
  * finds nothing left to commit.
@@ -654,7 +673,7 @@ static void process_commit(struct worker *w)
 		return;
 
 	w->commit_requested = false;
-	if (commit(pool) && pool_mode(pool) >= PM_READ_ONLY)
+	if (commit(pool))
 		status = BLK_STS_IOERR;
 
 	waiters = w->flush_waiters;
@@ -923,7 +942,6 @@ static void process_completed_jobs(struct worker *w)
 	/* Read-only metadata: the blocks cannot be mapped, their IO fails. */
 	if (pool_mode(pool) >= PM_READ_ONLY) {
 		r = -EIO;
-		nr_inserted = 0;
 	} else {
 		/*
 		 * A mapping that replaces a shared block's drops a reference
@@ -941,12 +959,10 @@ static void process_completed_jobs(struct worker *w)
 		if (r)
 			metadata_failed(pool, "insert_block", r);
 	}
-	list_for_each_entry(job, &mappings, mapping.list) {
-		if (nr_inserted)
-			nr_inserted--;
-		else
+	/* On failure the transaction is aborted: none of the batch is mapped. */
+	if (r)
+		list_for_each_entry(job, &mappings, mapping.list)
 			job->err = r;
-	}
 
 	list_for_each_entry_safe(job, tmp, &jobs, list)
 		finish_job(w, job);
@@ -1010,6 +1026,12 @@ static void no_space_for(struct pool *pool, struct bio *bio)
 	spin_lock_irq(&pool->lock);
 	bio_list_add(&pool->retry_list, bio);
 	spin_unlock_irq(&pool->lock);
+	/*
+	 * A commit elsewhere may have freed blocks and switched back to
+	 * write mode since, requeueing the list before @bio was on it.
+	 */
+	if (pool_mode(pool) == PM_WRITE)
+		requeue_retry_list(pool);
 }
 
 static void check_low_water_mark(struct pool *pool)
@@ -1358,11 +1380,10 @@ static void pool_destroy(struct pool *pool)
 	kfree(pool);
 }
 
-static void init_worker(struct worker *w, struct pool *pool, int cpu)
+static void init_worker(struct worker *w, struct pool *pool)
 {
 	INIT_WORK(&w->work, do_worker);
 	w->pool = pool;
-	w->cpu = cpu;
 	init_llist_head(&w->deferred);
 	spin_lock_init(&w->lock);
 	INIT_LIST_HEAD(&w->completed_jobs);
@@ -1377,7 +1398,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 {
 	struct pool *pool;
 	unsigned int i;
-	int r, cpu;
+	int r;
 
 	pool = kzalloc(sizeof(*pool), GFP_KERNEL);
 	if (!pool) {
@@ -1424,10 +1445,10 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 
-	/* Workers queued on the first possible CPUs, one per CPU at most. */
+	/* No more workers than CPUs: they run on an unbound workqueue. */
 	i = READ_ONCE(pool_workers);
-	if (!i || i > num_possible_cpus())
-		i = num_possible_cpus();
+	if (!i || i > num_online_cpus())
+		i = num_online_cpus();
 	pool->nr_workers = min_t(unsigned int, i, MAX_WORKERS);
 	pool->workers = kcalloc(pool->nr_workers, sizeof(*pool->workers),
 				GFP_KERNEL);
@@ -1435,12 +1456,8 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		*error = "Error allocating the pool's workers";
 		goto bad;
 	}
-	i = 0;
-	for_each_possible_cpu(cpu) {
-		if (i == pool->nr_workers)
-			break;
-		init_worker(&pool->workers[i++], pool, cpu);
-	}
+	for (i = 0; i < pool->nr_workers; i++)
+		init_worker(&pool->workers[i], pool);
 
 	r = bioset_init(&pool->zero_bios, BIO_POOL_SIZE, 0, BIOSET_NEED_BVECS);
 	if (r) {
@@ -1448,7 +1465,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 	r = -ENOMEM;
-	pool->wq = alloc_workqueue("tsp-" DM_MSG_PREFIX, WQ_MEM_RECLAIM, 0);
+	pool->wq = alloc_workqueue("tsp-" DM_MSG_PREFIX, WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
 	if (!pool->wq) {
 		*error = "Error creating pool's workqueue";
 		goto bad;
@@ -1740,7 +1757,7 @@ static int resize_metadata(struct pool_c *pt)
 		metadata_failed(pool, "resize_metadata_dev", r);
 		return r;
 	}
-	return tsp_pool_commit_metadata(pool->pmd);
+	return commit(pool);
 }
 
 static int pool_preresume(struct dm_target *ti)
@@ -1802,7 +1819,9 @@ static void pool_resume(struct dm_target *ti)
 	mutex_lock(&pool->mode_lock);
 	pool->low_water_triggered = false;
 	mutex_unlock(&pool->mode_lock);
+	mutex_lock(&pool->commit_lock);
 	pool->metadata_low_water_triggered = false;
+	mutex_unlock(&pool->commit_lock);
 	requeue_retry_list(pool);
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
 	/* Still out of space, now queueing: the timeout runs again. */
@@ -1851,9 +1870,9 @@ static int process_message(struct pool *pool, unsigned int argc, char **argv,
 			goto bad_number;
 		r = tsp_pool_set_metadata_transaction_id(pool->pmd, id, new_id);
 	} else if (!strcasecmp(argv[0], "reserve_metadata_snap") && argc == 1) {
-		r = tsp_pool_reserve_metadata_snap(pool->pmd);
+		r = commit_then(pool, tsp_pool_reserve_metadata_snap);
 	} else if (!strcasecmp(argv[0], "release_metadata_snap") && argc == 1) {
-		r = tsp_pool_release_metadata_snap(pool->pmd);
+		r = commit_then(pool, tsp_pool_release_metadata_snap);
 	} else {
 		DMERR("Unrecognised thin pool target message or wrong argument count: %s (%u)",
 		      argv[0], argc);

@@ -871,6 +871,21 @@ static void test_metadata(void)
 	FAST_MISS(td1, 1);
 	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, TSP_MC_DEFAULT_BUDGET), 0);
 
+	/*
+	 * Giving up after a failure: aborted, needs_check committed, read
+	 * only; a second call (another failure) changes nothing.
+	 */
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 800, b), 0);
+	CHECK(!tsp_pool_metadata_needs_check(p.pmd));
+	CHECK_R(tsp_pool_metadata_fail(p.pmd), 0);
+	CHECK(tsp_pool_metadata_needs_check(p.pmd));
+	FAST_MISS(td1, 800);
+	CHECK_R(tsp_thin_find_block(td1, 800, &res), -ENODATA);
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), -EPERM);
+	CHECK_R(tsp_pool_metadata_fail(p.pmd), 0);
+	tsp_pool_metadata_read_write(p.pmd);
+
 	/* A failed update empties the cache (the metadata is in doubt). */
 	CHECK_R(tsp_thin_find_block(td1, 1, &res), 0);
 	FAST_HIT(td1, 1, block[1], true);

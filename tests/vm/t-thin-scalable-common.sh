@@ -27,10 +27,8 @@ if [ -w "$POOL_WORKERS" ]; then
 	echo "${TSS_POOL_WORKERS:-0}" >"$POOL_WORKERS"
 fi
 expected_workers() { # what the "stats" message should say
-	local n=${TSS_POOL_WORKERS:-0} cpus=0 r
-	for r in $(tr ',' ' ' </sys/devices/system/cpu/possible); do
-		cpus=$((cpus + ${r#*-} - ${r%-*} + 1))
-	done
+	local n=${TSS_POOL_WORKERS:-0} cpus
+	cpus=$(nproc)
 	{ [ "$n" = 0 ] || [ "$n" -gt "$cpus" ]; } && n=$cpus
 	echo $((n > 64 ? 64 : n))
 }
