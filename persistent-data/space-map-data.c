@@ -9,7 +9,10 @@
  * A copy of the entries as last committed lets allocation skip blocks
  * that are free now but still mapped in the committed metadata: reusing
  * one before the commit would let a crash expose new data through the
- * old mapping.
+ * old mapping.  Blocks freed in this transaction that the last commit
+ * had free (allocated and freed since) are remembered in memory and
+ * skipped too: the pool lets the IO still using a freed block finish
+ * before it commits, so no block is reused before a commit.
  *
  * An index entry's nr_free counts, as dm-thin's does, every free entry
  * of its bitmap block, also those past the end of the device: dm-thin
@@ -49,6 +52,7 @@ struct tsp_data_sm {
 	struct tsp_index_entry *index;		/* now */
 	struct tsp_index_entry *committed;	/* at the last commit */
 	u8 *dirty;				/* index entry changed */
+	u64 **freed;	/* per bitmap, NULL or a bit per entry freed now */
 	u8 *counted;				/* nr_free known exact */
 	/*
 	 * Where allocation searches first: below it in its bitmap every
@@ -57,8 +61,8 @@ struct tsp_data_sm {
 	 */
 	tsp_block_t alloc_cursor;
 	/*
-	 * Blocks [run_begin, run_end) were free now and at the last commit
-	 * when allocation last searched a bitmap: they are handed out in
+	 * Blocks [run_begin, run_end) could be allocated when allocation
+	 * last searched a bitmap (see allocatable()): they are handed out in
 	 * order without searching again.  Emptied at commit (so freed
 	 * blocks get reused), and by any other change that uses one.
 	 */
@@ -67,6 +71,7 @@ struct tsp_data_sm {
 
 /* How far one search looks past the free block it finds. */
 #define FREE_RUN_MAX 1024
+#define FREED_WORDS DIV_ROUND_UP(TSP_ENTRIES_PER_BITMAP, 64)
 
 static void forget_free_run(struct tsp_data_sm *sm)
 {
@@ -140,16 +145,19 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 {
 	struct tsp_index_entry *index, *committed;
 	u8 *dirty, *counted;
+	u64 **freed;
 
 	index = kvcalloc(nr, sizeof(*index), GFP_KERNEL);
 	committed = kvcalloc(nr, sizeof(*committed), GFP_KERNEL);
 	dirty = kvzalloc(nr, GFP_KERNEL);
 	counted = kvzalloc(nr, GFP_KERNEL);
-	if (!index || !committed || !dirty || !counted) {
+	freed = kvcalloc(nr, sizeof(*freed), GFP_KERNEL);
+	if (!index || !committed || !dirty || !counted || !freed) {
 		kvfree(index);
 		kvfree(committed);
 		kvfree(dirty);
 		kvfree(counted);
+		kvfree(freed);
 		return -ENOMEM;
 	}
 	if (sm->index) {
@@ -157,25 +165,59 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 		memcpy(committed, sm->committed, sm->nr_bitmaps * sizeof(*committed));
 		memcpy(dirty, sm->dirty, sm->nr_bitmaps);
 		memcpy(counted, sm->counted, sm->nr_bitmaps);
+		memcpy(freed, sm->freed, sm->nr_bitmaps * sizeof(*freed));
 		kvfree(sm->index);
 		kvfree(sm->committed);
 		kvfree(sm->dirty);
 		kvfree(sm->counted);
+		kvfree(sm->freed);
 	}
 	sm->index = index;
 	sm->committed = committed;
 	sm->dirty = dirty;
 	sm->counted = counted;
+	sm->freed = freed;
 	sm->nr_bitmaps = nr;
 	return 0;
 }
 
+/* A new transaction: no block has been freed in it yet. */
+static void forget_freed(struct tsp_data_sm *sm)
+{
+	u64 i;
+
+	for (i = 0; i < sm->nr_bitmaps; i++) {
+		kfree(sm->freed[i]);
+		sm->freed[i] = NULL;
+	}
+}
+
+/* Remember that entry @pos of bitmap @i was freed in this transaction. */
+static int mark_freed(struct tsp_data_sm *sm, u64 i, u32 pos)
+{
+	if (!sm->freed[i]) {
+		sm->freed[i] = kcalloc(FREED_WORDS, sizeof(u64), GFP_NOIO);
+		if (!sm->freed[i])
+			return -ENOMEM;
+	}
+	sm->freed[i][pos / 64] |= 1ULL << (pos % 64);
+	return 0;
+}
+
+static bool freed_now(const struct tsp_data_sm *sm, u64 i, u32 pos)
+{
+	return sm->freed[i] && (sm->freed[i][pos / 64] >> (pos % 64)) & 1;
+}
+
 void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 {
+	if (sm->freed)
+		forget_freed(sm);
 	kvfree(sm->index);
 	kvfree(sm->committed);
 	kvfree(sm->dirty);
 	kvfree(sm->counted);
+	kvfree(sm->freed);
 	kfree(sm);
 }
 
@@ -412,6 +454,11 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 	bool inc;
 	int r;
 
+	if (old && !count) {
+		r = mark_freed(sm, i, pos);
+		if (r)
+			return r;
+	}
 	if (min(old, 3u) != min(count, 3u)) {
 		r = tsp_tm_shadow_block(sm->tm, ie->blocknr, &tsp_bitmap_validator,
 					&blk, &inc);
@@ -477,16 +524,18 @@ int tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b)
 	return set_count(sm, b, old, old - 1);
 }
 
-static bool free_now_and_then(struct tsp_block *now, struct tsp_block *then,
-			      u32 j)
+/* Entry @j of bitmap @i can be allocated: free now, then, and not freed now. */
+static bool allocatable(struct tsp_data_sm *sm, u64 i, struct tsp_block *now,
+			struct tsp_block *then, u32 j)
 {
 	return !tsp_bitmap_get(tsp_block_data(now), j) &&
-	       !(then && tsp_bitmap_get(tsp_block_data(then), j));
+	       !(then && tsp_bitmap_get(tsp_block_data(then), j)) &&
+	       !freed_now(sm, i, j);
 }
 
 /*
- * Set the free run to the first blocks of bitmap @i from @start that are
- * free now and at the last commit; -ENOSPC if there are none.
+ * Set the free run to the first blocks of bitmap @i from @start that can
+ * be allocated (see allocatable()); -ENOSPC if there are none.
  */
 static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start)
 {
@@ -509,11 +558,11 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start)
 
 	r = -ENOSPC;
 	for (j = max(ie->none_free_before, start); j < nr; j++) {
-		if (!free_now_and_then(now, then, j))
+		if (!allocatable(sm, i, now, then, j))
 			continue;
 		sm->run_begin = i * TSP_ENTRIES_PER_BITMAP + j;
 		for (k = j + 1; k < nr && k - j < FREE_RUN_MAX; k++)
-			if (!free_now_and_then(now, then, k))
+			if (!allocatable(sm, i, now, then, k))
 				break;
 		sm->run_end = i * TSP_ENTRIES_PER_BITMAP + k;
 		r = 0;
@@ -633,6 +682,7 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 	sm->alloc_cursor = 0;
 	forget_free_run(sm);
+	forget_freed(sm);
 
 	memset(root, 0, TSP_SM_ROOT_SIZE);
 	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);

@@ -193,12 +193,23 @@ struct stress {
 	u64 *ids;		/* slot -> device id */
 	struct tsp_thin_device **td;	/* slot -> handle kept open, or NULL */
 	struct mstate cur, committed, snap;
+	/*
+	 * Data blocks allocated in this transaction: once freed, they must
+	 * not come back before a commit (nor must any other freed block).
+	 */
+	u8 *allocated_now;
 	u64 counts[NR_OPS];
 	u64 nr_enospc, nr_verify, nr_external, nr_commits;
 	const char *thin_check, *thin_dump;
 };
 
 /* --- helpers ------------------------------------------------------- */
+
+/* A commit or an abort: a new transaction has allocated nothing yet. */
+static void new_transaction(struct stress *s)
+{
+	memset(s->allocated_now, 0, s->o.max_data_blocks);
+}
 
 static int __attribute__((format(printf, 2, 3)))
 diverge(struct stress *s, const char *fmt, ...)
@@ -487,7 +498,8 @@ static int alloc_block(struct stress *s, u64 *b, bool *enospc)
 	r = tsp_pool_alloc_data_block(s->pmd, &block);
 	if (r == -ENOSPC) {
 		for (i = 0; i < s->cur.nr_data_blocks; i++)
-			if (!model_refs(s, i) && !s->committed.refs[i])
+			if (!model_refs(s, i) && !s->committed.refs[i] &&
+			    !s->allocated_now[i])
 				avail++;
 		if (avail)
 			return diverge(s, "alloc_data_block: -ENOSPC but %llu blocks are free now and when committed",
@@ -499,6 +511,7 @@ static int alloc_block(struct stress *s, u64 *b, bool *enospc)
 			EXPECT_RC(s, tsp_pool_abort_metadata(s->pmd), 0,
 				  "abort after -ENOSPC");
 			mstate_copy(&s->cur, &s->committed, &s->o);
+			new_transaction(s);
 		}
 		return 0;
 	}
@@ -507,11 +520,14 @@ static int alloc_block(struct stress *s, u64 *b, bool *enospc)
 		return diverge(s, "alloc_data_block gave %llu beyond the %llu data blocks",
 			       (unsigned long long)block,
 			       (unsigned long long)s->cur.nr_data_blocks);
-	if (model_refs(s, block) || s->committed.refs[block])
-		return diverge(s, "alloc_data_block gave %llu, in use (%llu refs now, %u committed)",
+	if (model_refs(s, block) || s->committed.refs[block] ||
+	    s->allocated_now[block])
+		return diverge(s, "alloc_data_block gave %llu, in use or freed in this transaction (%llu refs now, %u committed, %sallocated in this transaction)",
 			       (unsigned long long)block,
 			       (unsigned long long)model_refs(s, block),
-			       s->committed.refs[block]);
+			       s->committed.refs[block],
+			       s->allocated_now[block] ? "" : "not ");
+	s->allocated_now[block] = 1;
 	*b = block;
 	return 0;
 }
@@ -1078,6 +1094,7 @@ static int do_commit(struct stress *s, bool external)
 	s->nr_commits++;
 	clear_created(s);
 	mstate_copy(&s->committed, &s->cur, &s->o);
+	new_transaction(s);
 	if (verify(s))
 		return -1;
 	if (external && s->o.external_every &&
@@ -1429,6 +1446,7 @@ static int op_abort(struct stress *s)
 		drop_all_td(s);
 	EXPECT_RC(s, tsp_pool_abort_metadata(s->pmd), 0, "abort");
 	mstate_copy(&s->cur, &s->committed, &s->o);
+	new_transaction(s);
 	/* Handles of devices the abort undid go (a target's would too). */
 	for (slot = 0; slot < s->o.devices; slot++)
 		if (!s->cur.devs[slot].exists)
@@ -1517,6 +1535,7 @@ static int op_reopen(struct stress *s)
 	EXPECT_RC(s, pool_close(s), 0, "pool_metadata_close");
 	clear_created(s);
 	mstate_copy(&s->committed, &s->cur, &s->o);
+	new_transaction(s);
 	s->nr_commits++;
 	if (pool_open(s, false))
 		return -1;
@@ -1994,7 +2013,9 @@ int tsm_cmd_stress(int argc, char **argv)
 
 	s->ids = calloc(devices, sizeof(*s->ids));
 	s->td = calloc(devices, sizeof(*s->td));
-	if (!s->ids || !s->td || mstate_init(&s->cur, &s->o) ||
+	s->allocated_now = calloc(s->o.max_data_blocks, 1);
+	if (!s->ids || !s->td || !s->allocated_now ||
+	    mstate_init(&s->cur, &s->o) ||
 	    mstate_init(&s->committed, &s->o) ||
 	    mstate_init(&s->snap, &s->o)) {
 		tsm_err("stress: out of memory");
@@ -2033,6 +2054,7 @@ out:
 	mstate_free(&s->snap, &s->o);
 	free(s->ids);
 	free(s->td);
+	free(s->allocated_now);
 	free(s);
 	return rc;
 out_usage:
