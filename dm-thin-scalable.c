@@ -55,10 +55,11 @@
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
  *   pool->mode_lock    a change of pool mode; low_water_triggered
- *   pool->commit_lock  a commit, and changes that free data blocks
- *                      (discards, batches of mappings that replace
- *                      shared blocks), with freed_this_transaction;
- *                      also metadata_low_water_triggered
+ *   pool->commit_lock  a commit, and the IO path's mapping changes
+ *                      (discards, batches of new mappings), so that
+ *                      none lands between a commit's data device flush
+ *                      and its metadata commit; freed_this_transaction;
+ *                      metadata_low_water_triggered
  *   pool->lock         (irq-safe spinlock) pool->retry_list
  *   worker->lock       (irq-safe spinlock) worker->completed_jobs
  *   worker-private     the worker's job table, flush_waiters and
@@ -200,6 +201,7 @@ struct pool {
 	unsigned int epoch_index;
 	struct pool_stats __percpu *stats;
 	atomic64_t commits;
+	atomic_t aborts;			/* metadata_failed() calls */
 
 	/*
 	 * Held over a commit and over any change that frees data blocks, so
@@ -231,6 +233,7 @@ struct worker {
 	struct bio_list flush_waiters;		/* complete after commit */
 	struct bio_list issue_after_commit;	/* issue after commit */
 	bool commit_requested;
+	int aborts_seen;			/* pool->aborts, last pass */
 } ____cacheline_aligned_in_smp;
 
 /* One table's pool target. */
@@ -449,18 +452,17 @@ static const char *mode_name(enum pool_mode mode)
 
 static void error_retry_list(struct pool *pool, blk_status_t status);
 
-static void set_pool_mode(struct pool *pool, enum pool_mode mode)
+static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
 {
-	enum pool_mode old;
+	enum pool_mode old = pool_mode(pool);
 
-	mutex_lock(&pool->mode_lock);
-	old = pool_mode(pool);
+	lockdep_assert_held(&pool->mode_lock);
 	if (mode == old)
-		goto out;
+		return;
 	if (old == PM_FAIL) {
 		DMERR("%s: pool in fail mode cannot change mode",
 		      dm_device_name(pool->pool_md));
-		goto out;
+		return;
 	}
 
 	if (mode >= PM_READ_ONLY)
@@ -479,8 +481,31 @@ static void set_pool_mode(struct pool *pool, enum pool_mode mode)
 	       mode_name(mode));
 	if (pool->ti)
 		dm_table_event(pool->ti->table);
-out:
+}
+
+static void set_pool_mode(struct pool *pool, enum pool_mode mode)
+{
+	mutex_lock(&pool->mode_lock);
+	__set_pool_mode(pool, mode);
 	mutex_unlock(&pool->mode_lock);
+}
+
+/*
+ * Switch from @from to @to, and only from there: the IO path moves
+ * between write and out-of-data-space mode, and must not undo a switch
+ * to read-only or fail mode made meanwhile.  Returns the mode now.
+ */
+static enum pool_mode switch_pool_mode(struct pool *pool, enum pool_mode from,
+				       enum pool_mode to)
+{
+	enum pool_mode now;
+
+	mutex_lock(&pool->mode_lock);
+	if (pool_mode(pool) == from)
+		__set_pool_mode(pool, to);
+	now = pool_mode(pool);
+	mutex_unlock(&pool->mode_lock);
+	return now;
 }
 
 /*
@@ -489,15 +514,15 @@ out:
  */
 static void metadata_failed(struct pool *pool, const char *op, int r)
 {
-	/*
-	 * Refused, not failed: the metadata is read only, or another
-	 * thread's failure is being dealt with (by that thread).
-	 */
-	if (r == -EPERM)
-		return;
-
 	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
 		    dm_device_name(pool->pool_md), op, r);
+	/*
+	 * Before the abort: a FLUSH that a commit after it lets through
+	 * sees the count moved (process_commit).  A second failure, or a
+	 * refusal of read-only metadata, finds nothing left to do in
+	 * tsp_pool_metadata_fail().
+	 */
+	atomic_inc(&pool->aborts);
 	if (tsp_pool_metadata_fail(pool->pmd)) {
 		DMERR("%s: failed to abort metadata transaction and set 'needs_check'",
 		      dm_device_name(pool->pool_md));
@@ -586,8 +611,8 @@ static void check_data_space(struct pool *pool)
 	if (pool_mode(pool) != PM_OUT_OF_DATA_SPACE ||
 	    tsp_pool_get_free_block_count(pool->pmd, &nr_free) || !nr_free)
 		return;
-	set_pool_mode(pool, PM_WRITE);
-	requeue_retry_list(pool);
+	if (switch_pool_mode(pool, PM_OUT_OF_DATA_SPACE, PM_WRITE) == PM_WRITE)
+		requeue_retry_list(pool);
 }
 
 /*----------------------------------------------------------------
@@ -638,9 +663,9 @@ static int commit(struct pool *pool)
 }
 
 /*
- * Run @op, a metadata operation that commits by itself, after our own
- * commit (data device flush, IO grace period) and with no block freed in
- * between.
+ * Run @op, a metadata operation that may commit by itself, after our own
+ * commit (data device flush, IO grace period), with no mapping changed
+ * by the IO path in between.
  */
 static int commit_then(struct pool *pool,
 		       int (*op)(struct tsp_pool_metadata *pmd))
@@ -666,14 +691,21 @@ static void process_commit(struct worker *w)
 	struct bio_list waiters, issue;
 	struct bio *bio;
 	blk_status_t status = BLK_STS_OK;
+	int aborts;
 
+	/*
+	 * An abort since the last pass may have dropped mappings the bios
+	 * waiting here depend on, and then commit() finds nothing to commit.
+	 */
+	aborts = w->aborts_seen;
+	w->aborts_seen = atomic_read(&pool->aborts);
 	if (bio_list_empty(&w->flush_waiters) &&
 	    bio_list_empty(&w->issue_after_commit) &&
 	    !w->commit_requested)
 		return;
 
 	w->commit_requested = false;
-	if (commit(pool))
+	if (commit(pool) || atomic_read(&pool->aborts) != aborts)
 		status = BLK_STS_IOERR;
 
 	waiters = w->flush_waiters;
@@ -944,18 +976,19 @@ static void process_completed_jobs(struct worker *w)
 		r = -EIO;
 	} else {
 		/*
-		 * A mapping that replaces a shared block's drops a reference
-		 * to it, which may free it: reads of it still in flight must
-		 * finish before it is reused (see "Deferred free").
+		 * Under the commit lock: a commit flushes the data device
+		 * and then commits the metadata, and a mapping inserted in
+		 * between would be committed before its data is durable.
+		 * And a mapping that replaces a shared block's drops a
+		 * reference to it, which may free it: reads of it still in
+		 * flight must finish before it is reused (see "Deferred
+		 * free").
 		 */
-		if (frees)
-			mutex_lock(&pool->commit_lock);
+		mutex_lock(&pool->commit_lock);
 		r = tsp_pool_insert_mappings(pool->pmd, &mappings, &nr_inserted);
-		if (frees) {
-			if (nr_inserted)
-				pool->freed_this_transaction = true;
-			mutex_unlock(&pool->commit_lock);
-		}
+		if (frees && nr_inserted)
+			pool->freed_this_transaction = true;
+		mutex_unlock(&pool->commit_lock);
 		if (r)
 			metadata_failed(pool, "insert_block", r);
 	}
@@ -1017,7 +1050,12 @@ static void do_no_space_timeout(struct work_struct *ws)
 /* A write needs a new block and there is none. */
 static void no_space_for(struct pool *pool, struct bio *bio)
 {
-	set_pool_mode(pool, PM_OUT_OF_DATA_SPACE);
+	if (switch_pool_mode(pool, PM_WRITE, PM_OUT_OF_DATA_SPACE) !=
+	    PM_OUT_OF_DATA_SPACE) {
+		/* Read-only or failed meanwhile. */
+		bio_io_error(bio);
+		return;
+	}
 	if (pool->pf.error_if_no_space) {
 		bio->bi_status = BLK_STS_NOSPC;
 		bio_endio(bio);
@@ -1737,7 +1775,7 @@ static int resize_data(struct pool_c *pt)
 		metadata_failed(pool, "resize_data_dev", r);
 		return r;
 	}
-	return tsp_pool_commit_metadata(pool->pmd);
+	return commit(pool);
 }
 
 static int resize_metadata(struct pool_c *pt)

@@ -9,10 +9,10 @@
  * A copy of the entries as last committed lets allocation skip blocks
  * that are free now but still mapped in the committed metadata: reusing
  * one before the commit would let a crash expose new data through the
- * old mapping.  Blocks freed in this transaction that the last commit
- * had free (allocated and freed since) are remembered in memory and
- * skipped too: the pool lets the IO still using a freed block finish
- * before it commits, so no block is reused before a commit.
+ * old mapping.  Every block freed in this transaction is remembered in
+ * memory and skipped too, also one the last commit had free (allocated
+ * and freed since): the pool lets the IO still using a freed block
+ * finish before it commits, so no block may be reused before a commit.
  *
  * An index entry's nr_free counts, as dm-thin's does, every free entry
  * of its bitmap block, also those past the end of the device: dm-thin

@@ -5,13 +5,14 @@
  * with counts of 3 and more in an overflow btree.
  *
  * A block freed in the current transaction is not handed out again until
- * the transaction commits (the committed metadata may still map it).
+ * the transaction commits (the committed metadata may still map it, or an
+ * IO still use it).
  *
  * Locking: none; the caller serialises.  Every function may sleep.
- * Return codes: 0; -ENOSPC when no block is free (or, for extend, the
- * metadata device cannot hold the bitmaps); -EINVAL for a block beyond
- * the end or a shrink; -EILSEQ for corrupt metadata, including a count
- * that would go below zero; -ENOMEM; IO errors.
+ * Return codes: 0; -ENOSPC when no block can be allocated (or, for
+ * extend, the metadata device cannot hold the bitmaps); -EINVAL for a
+ * block beyond the end or a shrink; -EILSEQ for corrupt metadata,
+ * including a count that would go below zero; -ENOMEM; IO errors.
  */
 #ifndef TSP_SPACE_MAP_H
 #define TSP_SPACE_MAP_H

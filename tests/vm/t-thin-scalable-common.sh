@@ -28,7 +28,7 @@ if [ -w "$POOL_WORKERS" ]; then
 fi
 expected_workers() { # what the "stats" message should say
 	local n=${TSS_POOL_WORKERS:-0} cpus
-	cpus=$(nproc)
+	cpus=$(getconf _NPROCESSORS_ONLN)
 	{ [ "$n" = 0 ] || [ "$n" -gt "$cpus" ]; } && n=$cpus
 	echo $((n > 64 ? 64 : n))
 }
