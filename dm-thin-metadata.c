@@ -851,6 +851,7 @@ static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	__le64 value = cpu_to_le64(tree_root);
 	int r;
 
+	/* A snapshot shares its origin's root: it must be shadowed again. */
 	pmd->roots_gen++;
 	r = tsp_btree_insert(&pmd->tl_info, pmd->root, dev, &value,
 			     &pmd->root, NULL);
@@ -926,8 +927,6 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	__le64 value;
 	int r;
 
-	/* The origin's root becomes shared: it must be shadowed again. */
-	pmd->roots_gen++;
 	r = __check_new_id(pmd, dev);
 	if (r)
 		return r;
@@ -1182,6 +1181,15 @@ tsp_thin_id tsp_thin_dev_id(struct tsp_thin_device *td)
 	return td->id;
 }
 
+/* @td's remembered root, if it is still valid. */
+static bool __cached_root(struct tsp_thin_device *td, tsp_block_t *root)
+{
+	if (td->root_gen != td->pmd->roots_gen)
+		return false;
+	*root = td->root;
+	return true;
+}
+
 /* The root of @td's mapping tree. */
 static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 {
@@ -1189,10 +1197,8 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 	__le64 value;
 	int r;
 
-	if (td->root_gen == pmd->roots_gen) {
-		*root = td->root;
+	if (__cached_root(td, root))
 		return 0;
-	}
 	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, td->id, &value);
 	if (r == -ENODATA) {
 		/* Deleted, or its creation was aborted, while open. */
@@ -1221,10 +1227,8 @@ static int __device_root_for_update(struct tsp_thin_device *td,
 	int r;
 
 	lockdep_assert_held_write(&pmd->root_lock);
-	if (td->root_gen == pmd->roots_gen) {
-		*root = td->root;
+	if (__cached_root(td, root))
 		return 0;
-	}
 	r = __device_root(td, root);
 	if (r)
 		return r;

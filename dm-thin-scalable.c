@@ -28,9 +28,9 @@
  *   - Everything else goes to a worker (pool_workers of them, one by
  *     default, on an unbound workqueue), each owning the virtual blocks
  *     of the regions (REGION_BLOCKS blocks of one thin device) that hash
- *     to it, as dm-vdo's logical zones own theirs.  A
- *     bio goes on its owner's deferred list (an llist, pushed from any
- *     CPU) and the owner is kicked.  The owner serialises bios per block
+ *     to it, as dm-vdo's logical zones own theirs.  A bio goes on its
+ *     owner's deferred list (an llist, pushed from any CPU) and the
+ *     owner is kicked.  The owner serialises bios per block
  *     through its table of running jobs (the per-block lock table, one
  *     shard per worker, so no lock), provisions (the bio writes its part
  *     of the new block while zeroing bios write the rest, unless zeroing
@@ -204,8 +204,10 @@ struct pool {
 	atomic_t aborts;			/* metadata_failed() calls */
 
 	/*
-	 * Held over a commit and over any change that frees data blocks, so
-	 * a commit knows whether its transaction freed blocks.
+	 * Held over a commit and over the IO path's mapping changes, so
+	 * that none lands between a commit's data device flush and its
+	 * metadata commit, and a commit knows whether its transaction freed
+	 * blocks.
 	 */
 	struct mutex commit_lock;
 	bool freed_this_transaction;		/* commit_lock */
@@ -274,8 +276,7 @@ struct thin_bio {
 
 struct job {
 	struct hlist_node hash;
-	struct list_head list;		/* worker->completed_jobs */
-	struct worker *worker;		/* the block's owner */
+	struct list_head list;		/* its worker's completed_jobs */
 	struct thin_c *tc;
 	struct tsp_new_mapping mapping;	/* virtual block -> new data block */
 	struct bio *bio;		/* issued once the mapping exists */
@@ -754,7 +755,6 @@ static struct job *find_job(struct worker *w, struct thin_c *tc,
 static void add_job(struct worker *w, struct job *job, struct thin_c *tc,
 		    tsp_block_t virt, struct bio *bio)
 {
-	job->worker = w;
 	job->tc = tc;
 	job->mapping.td = tc->td;
 	job->mapping.virt = virt;
@@ -770,7 +770,7 @@ static void add_job(struct worker *w, struct job *job, struct thin_c *tc,
  */
 static void job_io_done(struct job *job, int err)
 {
-	struct worker *w = job->worker;
+	struct worker *w = worker_for(job->tc, job->mapping.virt);
 	unsigned long flags;
 	bool first;
 

@@ -56,8 +56,9 @@ struct tsp_data_sm {
 	u8 *counted;				/* nr_free known exact */
 	/*
 	 * Where allocation searches first: below it in its bitmap every
-	 * block was in use or freed in this transaction, so searching there
-	 * again would mostly rescan.  Reset at commit, and before giving up.
+	 * block was in use or freed in this transaction when allocation
+	 * passed it, and none of them can be allocated before the commit.
+	 * Reset at commit.
 	 */
 	tsp_block_t alloc_cursor;
 	/*
@@ -637,11 +638,6 @@ int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
 
 	if (sm->run_begin == sm->run_end)
 		r = find_free(sm);
-	if (r == -ENOSPC && sm->alloc_cursor) {
-		/* Blocks allocated and freed since may be reused: look again. */
-		sm->alloc_cursor = 0;
-		r = find_free(sm);
-	}
 	if (r == -ENOSPC) {
 		r = recount_full(sm);
 		if (r > 0)
