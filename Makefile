@@ -164,7 +164,7 @@ deps:
 
 # A new make, so that KDIR is found in the headers deps may have installed.
 check: deps
-	$(MAKE) module tools unit vm-helpers
+	$(MAKE) module tools unit tsan vm-helpers
 	tests/run
 
 # The userspace tests do not depend on the kernel: "make check" ran them.

@@ -11,6 +11,9 @@
  *
  * Locking: dm-bufio's own.  The caller guarantees a block is not read
  * while another holder has it write locked (the pool metadata lock).
+ * Readers may share a buffer: the first to lock it after it was read
+ * from disk checks it, and two of them may do so at once, each storing
+ * the same validator.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 
@@ -49,12 +52,11 @@ static void bm_alloc_callback(struct dm_buffer *buf)
 /* dm-bufio callback, just before a buffer is written; must not fail. */
 static void bm_write_callback(struct dm_buffer *buf)
 {
-	struct bm_aux *aux = buffer_aux(buf);
+	const struct tsp_block_validator *v = READ_ONCE(buffer_aux(buf)->validator);
 
-	if (aux->validator)
-		aux->validator->prepare_for_write(aux->validator,
-						  (struct tsp_block *)buf,
-						  TSP_METADATA_BLOCK_SIZE);
+	if (v)
+		v->prepare_for_write(v, (struct tsp_block *)buf,
+				     TSP_METADATA_BLOCK_SIZE);
 }
 
 /**
@@ -105,15 +107,16 @@ tsp_block_t tsp_bm_nr_blocks(struct tsp_block_manager *bm)
 static int bm_validate(struct dm_buffer *buf, const struct tsp_block_validator *v)
 {
 	struct bm_aux *aux = buffer_aux(buf);
+	const struct tsp_block_validator *known = READ_ONCE(aux->validator);
 	int r;
 
-	if (!v || aux->validator == v)
+	if (!v || known == v)
 		return 0;
 
-	if (aux->validator) {
+	if (known) {
 		DMERR("block %llu was read as %s, now asked for as %s",
 		      (unsigned long long)dm_bufio_get_block_number(buf),
-		      aux->validator->name, v->name);
+		      known->name, v->name);
 		return -EILSEQ;
 	}
 
@@ -123,7 +126,8 @@ static int bm_validate(struct dm_buffer *buf, const struct tsp_block_validator *
 		      (unsigned long long)dm_bufio_get_block_number(buf), r);
 		return r;
 	}
-	aux->validator = v;
+	/* Two readers may check a fresh buffer at once; both store @v. */
+	WRITE_ONCE(aux->validator, v);
 	return 0;
 }
 
@@ -156,7 +160,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 	aux = buffer_aux(buf);
 	if (zero) {
 		memset(p, 0, TSP_METADATA_BLOCK_SIZE);
-		aux->validator = v;
+		WRITE_ONCE(aux->validator, v);
 	} else {
 		r = bm_validate(buf, v);
 		if (r) {
@@ -166,7 +170,9 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		}
 	}
 
-	aux->write_locked = write;
+	/* Readers may share a buffer: only the (one) writer marks it. */
+	if (write)
+		aux->write_locked = true;
 	*result = (struct tsp_block *)buf;
 	return 0;
 }
