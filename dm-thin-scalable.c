@@ -26,7 +26,7 @@
  *     A bio over several blocks mapped to consecutive data blocks stays
  *     one bio; dm core splits off whatever the fast path cannot take.
  *   - Everything else goes to a worker (pool_workers of them, one by
- *     default, on a per-CPU workqueue), each owning the virtual blocks
+ *     default, on an unbound workqueue), each owning the virtual blocks
  *     of the regions (REGION_BLOCKS blocks of one thin device) that hash
  *     to it, as dm-vdo's logical zones own theirs.  A bio goes on its
  *     owner's deferred list (an llist, pushed from any CPU) and the
@@ -62,6 +62,9 @@
  *                      metadata_low_water_triggered
  *   pool->lock         (irq-safe spinlock) pool->retry_list
  *   worker->lock       (irq-safe spinlock) worker->completed_jobs
+ *   worker->running    written by its work item only; read by those
+ *                      adding to its lists, after a full barrier (see
+ *                      wake_worker())
  *   worker-private     the worker's job table, flush_waiters and
  *                      issue_after_commit: only its work item touches
  *                      them, and a work item never runs twice at once
@@ -230,6 +233,12 @@ struct worker {
 	spinlock_t lock;
 	struct list_head completed_jobs;	/* lock: IO done, to map */
 
+	/*
+	 * Set while the work item runs, up to its last look at its lists:
+	 * work added meanwhile needs no kick (see wake_worker()).
+	 */
+	bool running;
+
 	/* Private to the work item. */
 	struct hlist_head jobs[1 << JOB_HASH_BITS];
 	struct bio_list flush_waiters;		/* complete after commit */
@@ -349,16 +358,18 @@ static bool pool_is_read_only(struct pool *pool)
 }
 
 /*
- * Kick @w on this CPU.  The workqueue is per CPU rather than unbound: a
- * kick while the worker runs then wakes nobody (concurrency managed),
- * where on an unbound one every kick woke an idle kworker, only for it
- * to find the work running and sleep again.  That halved the IOPS of
- * first writes at 1 vCPU, whose every IO kicks the worker twice (the
- * bio, its data write's completion).
+ * Kick @w, whose deferred or completed list the caller just added to.
+ * Not while its work item runs: that looks at both lists again before it
+ * ends.  A kick of a running work item would queue it again for a pass
+ * that finds nothing, and on the unbound workqueue also wake an idle
+ * kworker only for it to find the work running and sleep again, once per
+ * IO for first writes (their bio, then their data write's completion).
  */
 static void wake_worker(struct worker *w)
 {
-	queue_work(w->pool->wq, &w->work);
+	smp_mb();	/* the caller's list add, then read running */
+	if (!READ_ONCE(w->running))
+		queue_work(w->pool->wq, &w->work);
 }
 
 /* The owner of @virt of @tc. */
@@ -789,10 +800,14 @@ static void job_io_done(struct job *job, int err)
 	spin_lock_irqsave(&w->lock, flags);
 	first = list_empty(&w->completed_jobs);
 	list_add_tail(&job->list, &w->completed_jobs);
-	spin_unlock_irqrestore(&w->lock, flags);
-	/* Otherwise whoever added the first woke the worker. */
+	/*
+	 * Otherwise whoever added the first woke the worker.  Under the
+	 * lock: once it is dropped, the worker may finish the job, and the
+	 * device and the pool (with @w) may go before we touch @w again.
+	 */
 	if (first)
 		wake_worker(w);
+	spin_unlock_irqrestore(&w->lock, flags);
 }
 
 static void kcopyd_done(int read_err, unsigned long write_err, void *context)
@@ -1361,15 +1376,36 @@ static void process_deferred_bios(struct worker *w)
 	}
 }
 
+static bool worker_has_work(struct worker *w)
+{
+	bool r;
+
+	spin_lock_irq(&w->lock);
+	r = !list_empty(&w->completed_jobs) || !llist_empty(&w->deferred);
+	spin_unlock_irq(&w->lock);
+	return r;
+}
+
 static void do_worker(struct work_struct *ws)
 {
 	struct worker *w = container_of(ws, struct worker, work);
 
+	WRITE_ONCE(w->running, true);
 	process_completed_jobs(w);
 	process_deferred_bios(w);
 	/* Jobs whose IO already completed finish in this pass. */
 	process_completed_jobs(w);
 	process_commit(w);
+	WRITE_ONCE(w->running, false);
+
+	/*
+	 * Work added since the lists were last emptied was not kicked: queue
+	 * another pass (not a loop here, which flush_workqueue() would wait
+	 * on for as long as other devices of the pool keep the worker busy).
+	 */
+	smp_mb();	/* clear running, then look at the lists */
+	if (worker_has_work(w))
+		queue_work(w->pool->wq, &w->work);
 }
 
 /* Commit once a second when the metadata changed. */
@@ -1400,7 +1436,8 @@ static void defer_bio(struct pool *pool, struct bio *bio)
 	 * Only the bio that finds the list empty wakes the worker: the
 	 * worker empties the list before it processes what was on it, so a
 	 * bio added to a non-empty list will be seen by the pass that the
-	 * first one's wake-up queued.
+	 * first one's wake-up queued, or by the running pass's last look at
+	 * the list (wake_worker()).
 	 */
 	if (llist_add(&tb->node, &w->deferred))
 		wake_worker(w);
@@ -1491,7 +1528,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 
-	/* No more workers than CPUs: a worker runs where it was kicked. */
+	/* No more workers than CPUs: they run on an unbound workqueue. */
 	i = READ_ONCE(pool_workers);
 	if (!i || i > num_online_cpus())
 		i = num_online_cpus();
@@ -1511,7 +1548,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		goto bad;
 	}
 	r = -ENOMEM;
-	pool->wq = alloc_workqueue("tsp-" DM_MSG_PREFIX, WQ_MEM_RECLAIM, 0);
+	pool->wq = alloc_workqueue("tsp-" DM_MSG_PREFIX, WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
 	if (!pool->wq) {
 		*error = "Error creating pool's workqueue";
 		goto bad;
