@@ -856,30 +856,47 @@ static void zero_endio(struct bio *bio)
 }
 
 /*
- * Write zeroes to @nr sectors of the data device from @sector, as IOs of
- * @job.  Worker only; may sleep for a bio.
+ * Zero @nr sectors of the data device from @sector, as IOs of @job: with
+ * REQ_OP_WRITE_ZEROES where the device offers it (an NVMe drive zeroes a
+ * range without the data crossing the bus; it may deallocate it), else
+ * by writing the zero page, as dm-thin always does.  Worker only; may
+ * sleep for a bio.
  */
 static void zero_range(struct pool *pool, struct job *job, sector_t sector,
 		       sector_t nr)
 {
+	bool offload = bdev_write_zeroes_sectors(pool->data_bdev);
 	struct bio *bio;
 	sector_t len;
 
 	while (nr) {
-		bio = bio_alloc_bioset(pool->data_bdev,
-				       min_t(sector_t, DIV_ROUND_UP(nr, PAGE_SECTORS),
-					     BIO_MAX_VECS),
-				       REQ_OP_WRITE, GFP_NOIO, &pool->zero_bios);
-		bio->bi_iter.bi_sector = sector;
-		bio->bi_end_io = zero_endio;
-		bio->bi_private = job;
-		do {
-			len = min_t(sector_t, nr, PAGE_SECTORS);
-			if (!bio_add_page(bio, ZERO_PAGE(0), len << SECTOR_SHIFT, 0))
-				break;
+		if (offload) {
+			/* The block layer splits it to the device's limit. */
+			bio = bio_alloc_bioset(pool->data_bdev, 0,
+					       REQ_OP_WRITE_ZEROES, GFP_NOIO,
+					       &pool->zero_bios);
+			len = min_t(sector_t, nr, UINT_MAX >> SECTOR_SHIFT);
+			bio->bi_iter.bi_sector = sector;
+			bio->bi_iter.bi_size = len << SECTOR_SHIFT;
 			sector += len;
 			nr -= len;
-		} while (nr);
+		} else {
+			bio = bio_alloc_bioset(pool->data_bdev,
+					       min_t(sector_t, DIV_ROUND_UP(nr, PAGE_SECTORS),
+						     BIO_MAX_VECS),
+					       REQ_OP_WRITE, GFP_NOIO, &pool->zero_bios);
+			bio->bi_iter.bi_sector = sector;
+			do {
+				len = min_t(sector_t, nr, PAGE_SECTORS);
+				if (!bio_add_page(bio, ZERO_PAGE(0),
+						  len << SECTOR_SHIFT, 0))
+					break;
+				sector += len;
+				nr -= len;
+			} while (nr);
+		}
+		bio->bi_end_io = zero_endio;
+		bio->bi_private = job;
 		atomic_inc(&job->pending);
 		submit_bio_noacct(bio);
 	}

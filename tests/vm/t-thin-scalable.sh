@@ -1,7 +1,8 @@
 #!/bin/bash
 # VM tests of our targets, thin-scal-pool and thin-scalable: basic IO
-# and status lines, snapshots, discard and isolation, flush durability,
-# pool messages, out of data space, concurrent IO with a snapshot.
+# and status lines, snapshots, discard and isolation, zeroing with WRITE
+# ZEROES, flush durability, pool messages, out of data space, concurrent
+# IO with a snapshot.
 #
 # TSP_POOL_TARGET=thin-pool TSP_THIN_TARGET=thin run the same tests against
 # the stock dm-thin (scripts/vm-run --env ...): the baseline that proves a
@@ -362,6 +363,52 @@ test_discard_isolation() {
 	dm_remove tss-a
 	dm_remove tss-b
 	teardown_pool
+}
+
+# A data device that offers WRITE ZEROES gets the rest of each new block
+# zeroed with it, not with written pages (stock dm-thin 6.1 writes them).
+# A loop device over a tmpfs file offers it by punching holes: the file
+# loses the 60k around each 4k written.  The file starts all 0xff, so a
+# block left unzeroed shows.
+test_zeroing_offload() {
+	local t=/dev/mapper/tss-t loop before after
+	need_targets
+	ours || skip "stock dm-thin writes its zeroes"
+	modprobe loop || skip "no loop module"
+	mkdir wz
+	mount -t tmpfs -o size=80m none wz
+	perl -e 'print "\xff" x 1048576 for 1 .. 64' >wz/data
+	loop=$(losetup -f --show wz/data)
+	[ "$(cat "/sys/block/${loop#/dev/}/queue/write_zeroes_max_bytes")" -gt 0 ] ||
+		skip "the loop device offers no WRITE ZEROES"
+	brd_setup 1 64
+	dd if=/dev/zero of=/dev/ram0 bs=4096 count=1 oflag=direct status=none
+	dm_create tss-pool "0 131072 $POOL_T /dev/ram0 $loop 128 $LOW_WATER 0"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-t "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	before=$(du -k wz/data | cut -f1)
+	run_fio holes --filename=$t --rw=write:60k --bs=4k --offset=8k --size=32M \
+		--verify=crc32c --verify_fatal=1 --do_verify=1
+	after=$(du -k wz/data | cut -f1)
+	log "data file: $before KiB allocated, $after KiB after 512 first writes"
+	[ $((before - after)) -ge $((512 * 60)) ] ||
+		fail "new blocks were not zeroed with WRITE ZEROES ($before -> $after KiB)"
+	dd if=$t of=t.img bs=1M count=32 iflag=direct status=none
+	perl -e '
+		open(my $f, "<:raw", $ARGV[0]) or die "$ARGV[0]: $!";
+		my $bad = 0;
+		for my $i (0 .. 511) {
+			read($f, my $blk, 65536) == 65536 or die "short read";
+			$bad++ if substr($blk, 0, 8192) =~ /[^\0]/ ||
+				  substr($blk, 12288) =~ /[^\0]/;
+		}
+		print "$bad blocks not zeroed around the 4k written\n" if $bad;
+		exit($bad ? 1 : 0);' t.img || fail "new blocks not zeroed"
+	dm_remove tss-t
+	dm_remove tss-pool
+	check_meta /dev/ram0
+	losetup -d "$loop"
+	umount wz
 }
 
 # --- 5. flush and durability ------------------------------------------------
@@ -788,6 +835,7 @@ run_test thin_scalable_snapshots test_snapshots
 run_test thin_scalable_external_origin test_external_origin
 run_test thin_scalable_discard test_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
+run_test thin_scalable_zeroing_offload test_zeroing_offload
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_no_space test_no_space
