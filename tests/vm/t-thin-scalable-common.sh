@@ -144,3 +144,20 @@ run_fio() {
 	fio --name="$name" --direct=1 --ioengine=libaio --eta=never --output="$name.log" "$@" ||
 		{ cat "$name.log"; fail "fio $name failed"; }
 }
+
+# check_zeroed_around <image> <blocks> <offset>: each 64 KiB block of
+# <image> has data in its 4 KiB at byte <offset> and zeroes around it
+# (a first write to a new block, zeroing on); prints each bad block.
+check_zeroed_around() {
+	perl -e '
+		my ($img, $n, $off) = @ARGV;
+		open(my $f, "<:raw", $img) or die "$img: $!";
+		my $bad = 0;
+		for my $i (0 .. $n - 1) {
+			read($f, my $blk, 65536) == 65536 or die "short read";
+			if (substr($blk, 0, $off) =~ /[^\0]/) { print "block $i: not zeroes before the 4k written\n"; $bad++; }
+			if (substr($blk, $off, 4096) =~ /^\0*$/) { print "block $i: the 4k written read as zeroes\n"; $bad++; }
+			if (substr($blk, $off + 4096) =~ /[^\0]/) { print "block $i: not zeroes after the 4k written\n"; $bad++; }
+		}
+		exit($bad ? 1 : 0);' "$@"
+}
