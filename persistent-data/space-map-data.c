@@ -6,13 +6,12 @@
  * Bitmap blocks are shadowed like any metadata block when a count
  * changes.  The index entries (where each bitmap is, how many entries
  * are free) are cached in memory, written to the index btree at commit.
- * A copy of the entries as last committed lets allocation skip blocks
- * that are free now but still mapped in the committed metadata: reusing
- * one before the commit would let a crash expose new data through the
- * old mapping.  Every block freed in this transaction is remembered in
- * memory and skipped too, also one the last commit had free (allocated
- * and freed since): the pool lets the IO still using a freed block
- * finish before it commits, so no block may be reused before a commit.
+ * Every block freed in this transaction is remembered in memory, and
+ * allocation skips it until the commit: the committed metadata may still
+ * map it (reusing it would let a crash expose new data through the old
+ * mapping), or an IO still use it (the pool lets such IO finish before
+ * it commits).  That covers every block the last commit had in use and
+ * this transaction freed, and also one allocated and freed since.
  *
  * An index entry's nr_free counts, as dm-thin's does, every free entry
  * of its bitmap block, also those past the end of the device: dm-thin
@@ -49,8 +48,7 @@ struct tsp_data_sm {
 	tsp_block_t index_root;
 	tsp_block_t ref_root;
 	u64 nr_bitmaps;
-	struct tsp_index_entry *index;		/* now */
-	struct tsp_index_entry *committed;	/* at the last commit */
+	struct tsp_index_entry *index;
 	u8 *dirty;				/* index entry changed */
 	u64 **freed;	/* per bitmap, NULL or a bit per entry freed now */
 	u8 *counted;				/* nr_free known exact */
@@ -144,18 +142,16 @@ static int recount_free(struct tsp_data_sm *sm, u64 i)
 /* Resize the in-core index arrays to @nr entries, keeping what is there. */
 static int resize_index(struct tsp_data_sm *sm, u64 nr)
 {
-	struct tsp_index_entry *index, *committed;
+	struct tsp_index_entry *index;
 	u8 *dirty, *counted;
 	u64 **freed;
 
 	index = kvcalloc(nr, sizeof(*index), GFP_KERNEL);
-	committed = kvcalloc(nr, sizeof(*committed), GFP_KERNEL);
 	dirty = kvzalloc(nr, GFP_KERNEL);
 	counted = kvzalloc(nr, GFP_KERNEL);
 	freed = kvcalloc(nr, sizeof(*freed), GFP_KERNEL);
-	if (!index || !committed || !dirty || !counted || !freed) {
+	if (!index || !dirty || !counted || !freed) {
 		kvfree(index);
-		kvfree(committed);
 		kvfree(dirty);
 		kvfree(counted);
 		kvfree(freed);
@@ -163,18 +159,15 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 	}
 	if (sm->index) {
 		memcpy(index, sm->index, sm->nr_bitmaps * sizeof(*index));
-		memcpy(committed, sm->committed, sm->nr_bitmaps * sizeof(*committed));
 		memcpy(dirty, sm->dirty, sm->nr_bitmaps);
 		memcpy(counted, sm->counted, sm->nr_bitmaps);
 		memcpy(freed, sm->freed, sm->nr_bitmaps * sizeof(*freed));
 		kvfree(sm->index);
-		kvfree(sm->committed);
 		kvfree(sm->dirty);
 		kvfree(sm->counted);
 		kvfree(sm->freed);
 	}
 	sm->index = index;
-	sm->committed = committed;
 	sm->dirty = dirty;
 	sm->counted = counted;
 	sm->freed = freed;
@@ -215,7 +208,6 @@ void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 	if (sm->freed)
 		forget_freed(sm);
 	kvfree(sm->index);
-	kvfree(sm->committed);
 	kvfree(sm->dirty);
 	kvfree(sm->counted);
 	kvfree(sm->freed);
@@ -362,8 +354,6 @@ int tsp_data_sm_open(struct tsp_tm *tm, const void *root,
 	}
 	if (r)
 		goto bad;
-	if (sm->nr_bitmaps)
-		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 
 	*result = sm;
 	return 0;
@@ -525,13 +515,11 @@ int tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b)
 	return set_count(sm, b, old, old - 1);
 }
 
-/* Entry @j of bitmap @i can be allocated: free now, then, and not freed now. */
-static bool allocatable(struct tsp_data_sm *sm, u64 i, struct tsp_block *now,
-			struct tsp_block *then, u32 j)
+/* Entry @j of bitmap @i, whose block is @bitmap, is free and not freed now. */
+static bool allocatable(struct tsp_data_sm *sm, u64 i, struct tsp_block *bitmap,
+			u32 j)
 {
-	return !tsp_bitmap_get(tsp_block_data(now), j) &&
-	       !(then && tsp_bitmap_get(tsp_block_data(then), j)) &&
-	       !freed_now(sm, i, j);
+	return !tsp_bitmap_get(tsp_block_data(bitmap), j) && !freed_now(sm, i, j);
 }
 
 /*
@@ -541,38 +529,28 @@ static bool allocatable(struct tsp_data_sm *sm, u64 i, struct tsp_block *now,
 static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start)
 {
 	struct tsp_index_entry *ie = &sm->index[i];
-	tsp_block_t old_loc = sm->committed[i].blocknr;
-	struct tsp_block *now, *then = NULL;
 	u32 j, k, nr = bitmap_entries(sm->nr_blocks, i);
+	struct tsp_block *bitmap;
 	int r;
 
-	r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator, &now);
+	r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator, &bitmap);
 	if (r)
 		return r;
-	if (old_loc && old_loc != ie->blocknr) {
-		r = tsp_tm_read_lock(sm->tm, old_loc, &tsp_bitmap_validator, &then);
-		if (r) {
-			tsp_tm_unlock(sm->tm, now);
-			return r;
-		}
-	}
 
 	r = -ENOSPC;
 	for (j = max(ie->none_free_before, start); j < nr; j++) {
-		if (!allocatable(sm, i, now, then, j))
+		if (!allocatable(sm, i, bitmap, j))
 			continue;
 		sm->run_begin = i * TSP_ENTRIES_PER_BITMAP + j;
 		for (k = j + 1; k < nr && k - j < FREE_RUN_MAX; k++)
-			if (!allocatable(sm, i, now, then, k))
+			if (!allocatable(sm, i, bitmap, k))
 				break;
 		sm->run_end = i * TSP_ENTRIES_PER_BITMAP + k;
 		r = 0;
 		break;
 	}
 
-	if (then)
-		tsp_tm_unlock(sm->tm, then);
-	tsp_tm_unlock(sm->tm, now);
+	tsp_tm_unlock(sm->tm, bitmap);
 	return r;
 }
 
@@ -674,8 +652,6 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 			return r;
 		sm->dirty[i] = 0;
 	}
-	if (sm->nr_bitmaps)
-		memcpy(sm->committed, sm->index, sm->nr_bitmaps * sizeof(*sm->index));
 	sm->alloc_cursor = 0;
 	forget_free_run(sm);
 	forget_freed(sm);
