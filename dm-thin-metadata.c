@@ -1435,6 +1435,29 @@ int tsp_pool_alloc_data_block(struct tsp_pool_metadata *pmd,
 	return end_update(pmd, r);
 }
 
+/**
+ * tsp_pool_release_data_block - give back a block that was never mapped
+ * @pmd: pool metadata
+ * @b: a block from tsp_pool_alloc_data_block() of this or an earlier
+ *	transaction (since the last abort), not mapped by anyone
+ *
+ * Its reference count drops to zero; like any block freed in this
+ * transaction it is handed out again only after the commit.
+ *
+ * Context: may sleep (takes @root_lock for writing).
+ *
+ * Return: 0, -EPERM if the metadata is read only or failed, or the space
+ * map's error (the transaction then fails until aborted).
+ */
+int tsp_pool_release_data_block(struct tsp_pool_metadata *pmd, tsp_block_t b)
+{
+	int r = begin_update(pmd);
+
+	if (r)
+		return r;
+	return end_update(pmd, tsp_data_sm_dec(pmd->data_sm, b));
+}
+
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 			  tsp_block_t data, u32 time)
 {

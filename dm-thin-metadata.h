@@ -216,6 +216,9 @@ int __must_check tsp_thin_find_mapped_range(struct tsp_thin_device *td,
 /* Allocate a data block (reference count 1) for tsp_thin_insert_block(). */
 int __must_check tsp_pool_alloc_data_block(struct tsp_pool_metadata *pmd,
 					   tsp_block_t *result);
+/* Give back an allocated block that will not be mapped after all. */
+int __must_check tsp_pool_release_data_block(struct tsp_pool_metadata *pmd,
+					     tsp_block_t b);
 /* Map @virt to @data, taking over the allocation's reference. */
 int __must_check tsp_thin_insert_block(struct tsp_thin_device *td,
 				       tsp_block_t virt, tsp_block_t data);

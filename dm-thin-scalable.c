@@ -982,6 +982,27 @@ static void finish_job(struct worker *w, struct job *job)
 }
 
 /*
+ * The new blocks of @jobs whose IO failed will not be mapped: give them
+ * back, or they would stay allocated for good, as dm-thin leaves them.
+ * No IO can be in flight to them: no mapping ever pointed there.
+ */
+static void release_failed_blocks(struct pool *pool, struct list_head *jobs)
+{
+	struct job *job;
+	int r;
+
+	list_for_each_entry(job, jobs, list) {
+		if (!job->err)
+			continue;
+		r = tsp_pool_release_data_block(pool->pmd, job->mapping.data);
+		if (r) {
+			metadata_failed(pool, "release_data_block", r);
+			return;
+		}
+	}
+}
+
+/*
  * Worker: map the blocks of every job whose IO finished, in one metadata
  * update, then release their bios.  Taking the metadata lock once per
  * batch rather than once per job also means the worker does not yield to
@@ -1031,6 +1052,8 @@ static void process_completed_jobs(struct worker *w)
 		mutex_unlock(&pool->commit_lock);
 		if (r)
 			metadata_failed(pool, "insert_block", r);
+		else
+			release_failed_blocks(pool, &jobs);
 	}
 	/* On failure the transaction is aborted: none of the batch is mapped. */
 	if (r)

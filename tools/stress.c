@@ -1207,7 +1207,9 @@ static int op_insert(struct stress *s, bool overwrite, u64 n)
 #define MAX_BATCH 16
 
 /*
- * Map up to MAX_BATCH unmapped blocks, of random devices, in one update.
+ * Map up to MAX_BATCH unmapped blocks, of random devices, in one update;
+ * give back some of the blocks allocated for them instead, as the pool
+ * does when a new block's data write fails.
  * The model maps each block as it is allocated, so that the next pick
  * and alloc_block()'s check see it.  A device in the batch more than
  * once is opened (get_td) by its first entry only, which also puts it.
@@ -1215,7 +1217,7 @@ static int op_insert(struct stress *s, bool overwrite, u64 n)
 static int op_insert_batch(struct stress *s)
 {
 	struct tsp_new_mapping m[MAX_BATCH];
-	unsigned int slots[MAX_BATCH], n, i, j, nr_inserted;
+	unsigned int slots[MAX_BATCH], n, i, j, nr_inserted, nr_mapped;
 	bool opened[MAX_BATCH], enospc = false;
 	LIST_HEAD(batch);
 	int r = 0, slot;
@@ -1254,11 +1256,32 @@ static int op_insert_batch(struct stress *s)
 	if (enospc && (s->o.avoid & AVOID_ENOSPC))
 		INIT_LIST_HEAD(&batch);
 
+	/*
+	 * Some of the blocks' data writes "fail": the pool gives those
+	 * blocks back instead of mapping them.
+	 */
+	nr_mapped = n;
+	for (i = 0; !r && !list_empty(&batch) && i < n; i++) {
+		if (rnd(s, 8))
+			continue;
+		list_del(&m[i].list);
+		nr_mapped--;
+		r = tsp_pool_release_data_block(s->pmd, m[i].data);
+		if (r)
+			r = diverge(s, "release_data_block(%llu) returned %d",
+				    (unsigned long long)m[i].data, r);
+		trace(s, "batch: dev %llu: %llu -> %llu failed, released",
+		      (unsigned long long)s->ids[slots[i]],
+		      (unsigned long long)m[i].virt,
+		      (unsigned long long)m[i].data);
+		model_unmap(s, slots[i], m[i].virt);
+	}
+
 	if (!r && !list_empty(&batch)) {
 		r = tsp_pool_insert_mappings(s->pmd, &batch, &nr_inserted);
-		if (r || nr_inserted != n)
+		if (r || nr_inserted != nr_mapped)
 			r = diverge(s, "insert_mappings of %u: %d, %u inserted",
-				    n, r, nr_inserted);
+				    nr_mapped, r, nr_inserted);
 		for (i = 0; !r && i < n; i++)
 			r = check_lookup(s, m[i].td, slots[i], m[i].virt);
 		for (i = 0; !r && i < n; i++)

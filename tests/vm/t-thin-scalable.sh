@@ -394,6 +394,57 @@ test_zeroing_offload() {
 	umount wz
 }
 
+# --- 4b. data device errors --------------------------------------------------
+
+# set_data_table <table>: swap tss-data's table under the live pool.
+set_data_table() {
+	dmsetup suspend tss-data &&
+		dmsetup load tss-data --table "$1" &&
+		dmsetup resume tss-data || fail "swapping tss-data's table to '$1' failed"
+}
+
+# A first write whose data IO fails (a partial write with zeroing, a
+# whole-block write, a break of sharing) fails with EIO and leaves the
+# block unmapped: the data block allocated for it is given back, so the
+# pool's used count does not move (dm-thin keeps them allocated).
+test_data_write_error() {
+	local t=/dev/mapper/tss-t s=/dev/mapper/tss-s used
+	need_targets
+	make_pool 64 0
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-t "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	dd if=/dev/urandom of=$t bs=64k count=1 oflag=direct status=none
+	dm_message tss-pool "create_snap 1 0"
+	dm_create tss-s "0 131072 $THIN_T /dev/mapper/tss-pool 1"
+	used=$(pool_used tss-pool)
+
+	set_data_table "0 $((64 * 2048)) error"
+	! dd if=/dev/urandom of=$t bs=4k seek=33 count=1 oflag=direct status=none 2>/dev/null ||
+		fail "a partial first write to a failing data device succeeded"
+	! dd if=/dev/urandom of=$t bs=64k seek=5 count=1 oflag=direct status=none 2>/dev/null ||
+		fail "a whole-block first write to a failing data device succeeded"
+	! dd if=/dev/urandom of=$s bs=4k seek=1 count=1 oflag=direct status=none 2>/dev/null ||
+		fail "breaking sharing on a failing data device succeeded"
+	set_data_table "0 $((64 * 2048)) linear /dev/ram1 0"
+
+	if ours; then
+		[ "$(pool_used tss-pool)" = "$used" ] ||
+			fail "failed first writes left data blocks allocated: $used used before, $(pool_used tss-pool) after"
+	else
+		log "stock dm-thin keeps the blocks: $used used before, $(pool_used tss-pool) after"
+	fi
+	[ "$(dev_sha $t 0 1)" = "$(dev_sha $s 0 1)" ] ||
+		fail "the snapshot changed after a failed write broke sharing"
+	dd if=$t bs=64k skip=5 count=1 iflag=direct status=none | cmp -s - <(head -c 65536 /dev/zero) ||
+		fail "a block whose first write failed does not read as zeroes"
+	dm_status tss-pool | grep -qw rw || fail "the pool left write mode: $(dm_status tss-pool)"
+	run_fio again --filename=$t --rw=write --bs=4k --offset=2M --size=256k \
+		--verify=crc32c --verify_fatal=1 --do_verify=1
+	dm_remove tss-s
+	dm_remove tss-t
+	teardown_pool
+}
+
 # --- 5. flush and durability ------------------------------------------------
 
 # Data blocks of device <id> mapped in thin_dump output <file> within
@@ -819,6 +870,7 @@ run_test thin_scalable_external_origin test_external_origin
 run_test thin_scalable_discard test_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_zeroing_offload test_zeroing_offload
+run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_no_space test_no_space
