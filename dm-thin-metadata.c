@@ -1307,8 +1307,8 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
  * @result: out
  *
  * See dm-thin-metadata.h for what a hit promises.  Context: map path:
- * any context, never sleeps, takes no lock (not @root_lock either), only
- * an RCU read-side critical section of its own.
+ * inside the caller's rcu_read_lock(); never sleeps, takes no lock (not
+ * @root_lock either).
  *
  * Return: 0 on a hit, -EWOULDBLOCK on a miss.
  */
@@ -1316,12 +1316,8 @@ int tsp_thin_find_block_fast(struct tsp_thin_device *td, tsp_block_t virt,
 			     struct tsp_thin_lookup_result *result)
 {
 	struct tsp_mc_mapping m;
-	bool hit;
 
-	rcu_read_lock();
-	hit = tsp_mc_lookup(rcu_dereference(td->pmd->cache), td->id, virt, &m);
-	rcu_read_unlock();
-	if (!hit)
+	if (!tsp_mc_lookup(rcu_dereference(td->pmd->cache), td->id, virt, &m))
 		return -EWOULDBLOCK;
 	result->block = m.block;
 	result->shared = READ_ONCE(td->snapshotted_time) > m.time;

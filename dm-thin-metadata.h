@@ -168,9 +168,9 @@ int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
  *	device's snapshotted_time (read with READ_ONCE()) > the mapping's
  *	time
  *
- * Context: map path.  Never sleeps; takes no lock (not the metadata lock
- * either) and no atomic read-modify-write: an RCU read-side critical
- * section of its own, which may nest in the caller's.
+ * Context: map path, inside the caller's rcu_read_lock().  Never sleeps;
+ * takes no lock (not the metadata lock either) and does no atomic
+ * read-modify-write.
  *
  * Return: 0 on a hit, or -EWOULDBLOCK on a miss (not cached, or not
  * mapped at all: the caller defers to a worker that calls

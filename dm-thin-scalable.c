@@ -386,13 +386,13 @@ static struct worker *worker_for(struct thin_c *tc, tsp_block_t virt)
  * IO epochs (see "Deferred free" above)
  *--------------------------------------------------------------*/
 
-/* Count @bio in the current epoch.  Caller holds rcu_read_lock(). */
-static void epoch_enter(struct pool *pool, struct bio *bio)
+/* Count the bio of @tb in the current epoch.  Caller holds rcu_read_lock(). */
+static void epoch_enter(struct pool *pool, struct thin_bio *tb)
 {
 	unsigned int idx = READ_ONCE(pool->epoch_index) & 1;
 
 	this_cpu_inc(pool->epoch->count[idx]);
-	thin_bio(bio)->epoch = idx;
+	tb->epoch = idx;
 }
 
 /* From end_io: may run in interrupt context. */
@@ -439,7 +439,7 @@ static void epoch_wait_grace_period(struct pool *pool)
 static void submit_counted(struct pool *pool, struct bio *bio)
 {
 	rcu_read_lock();
-	epoch_enter(pool, bio);
+	epoch_enter(pool, thin_bio(bio));
 	rcu_read_unlock();
 	submit_bio_noacct(bio);
 }
@@ -2351,11 +2351,13 @@ static bool find_block_fast(struct thin_c *tc, struct bio *bio,
 }
 
 /*
- * The fast path: remap @bio if its first block is mapped and cached.  A
- * bio over several blocks keeps the run of them that are mapped to
- * consecutive data blocks; dm core sends the rest as a new bio.
+ * The fast path: remap @bio (@tb its per-bio data) if its first block is
+ * mapped and cached.  A bio over several blocks keeps the run of them
+ * that are mapped to consecutive data blocks; dm core sends the rest as
+ * a new bio.  The lookups and the epoch entry are one RCU read-side
+ * section (see "Deferred free").
  */
-static bool map_fast(struct thin_c *tc, struct bio *bio)
+static bool map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
 {
 	struct pool *pool = tc->pool;
 	tsp_block_t virt = bio_block(pool, bio);
@@ -2371,7 +2373,7 @@ static bool map_fast(struct thin_c *tc, struct bio *bio)
 		if (!find_block_fast(tc, bio, virt + n, &next) || next != first + n)
 			break;
 	cut_bio_at(pool, bio, virt + n);
-	epoch_enter(pool, bio);
+	epoch_enter(pool, tb);
 	rcu_read_unlock();
 
 	remap(pool, bio, first);
@@ -2400,7 +2402,7 @@ static int thin_map(struct dm_target *ti, struct bio *bio)
 		cut_bio_at(pool, bio, (bio_block(pool, bio) | (REGION_BLOCKS - 1)) + 1);
 	} else if (bio_has_data(bio)) {
 		if (!bio_needs_commit(bio) && pool_mode(pool) < PM_FAIL &&
-		    map_fast(tc, bio))
+		    map_fast(tc, bio, tb))
 			return DM_MAPIO_REMAPPED;
 		cut_bio_at(pool, bio, bio_block(pool, bio) + 1);
 	}

@@ -339,10 +339,10 @@ void tsp_mc_destroy(struct tsp_mapping_cache *mc)
  * @virt: virtual block
  * @result: out, the mapping on a hit
  *
- * Context: any; must not sleep and does not.  Takes no lock: it is an
- * RCU reader (nesting inside the caller's rcu_read_lock() is fine) and
- * writes only this CPU's counters and, the first time an entry is hit
- * after CLOCK cleared it, the entry's referenced byte.
+ * Context: any; inside the caller's rcu_read_lock(), which keeps @mc's
+ * tables and entries alive while it runs.  Never sleeps and takes no
+ * lock; writes only this CPU's counters and, the first time an entry is
+ * hit after CLOCK cleared it, the entry's referenced byte.
  *
  * Return: true on a hit.  A hit is a mapping the cache held at some
  * moment during the call: an update that completed before the call
@@ -356,7 +356,7 @@ bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 	struct mc_entry *e;
 	bool hit = false;
 
-	rcu_read_lock();
+	RCU_LOCKDEP_WARN(!rcu_read_lock_held(), "mapping cache lookup outside RCU");
 	t = rcu_dereference(mc->tables[mc_shard_index(mc, h)]);
 	hlist_for_each_entry_rcu(e, mc_bucket(mc, t, h), hash) {
 		if (e->virt == virt && e->dev == dev) {
@@ -372,7 +372,6 @@ bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		this_cpu_inc(mc->stats->hits);
 	else
 		this_cpu_inc(mc->stats->misses);
-	rcu_read_unlock();
 	return hit;
 }
 

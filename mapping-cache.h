@@ -13,7 +13,7 @@
  * Contexts (every function; details in the kernel-doc in mapping-cache.c):
  *
  *   function                    context               locks taken
- *   tsp_mc_lookup()             any, must not sleep   none (RCU read side)
+ *   tsp_mc_lookup()             caller's RCU section  none
  *   tsp_mc_insert()             process, no sleep     one shard spinlock
  *   tsp_mc_invalidate()         process, no sleep     one shard spinlock
  *   tsp_mc_invalidate_range()   process, may resched  shard spinlocks

@@ -406,6 +406,10 @@ static inline void synchronize_rcu(void)
 	tsp_user_tsan_acquire(&tsp_user_rcu.tsan_sync);
 }
 
+/* Stricter than the kernel's, which checks only with lockdep. */
+#define rcu_read_lock_held() urcu_memb_read_ongoing()
+#define RCU_LOCKDEP_WARN(c, s) BUG_ON(c)
+
 #define rcu_dereference(p) __atomic_load_n(&(p), __ATOMIC_ACQUIRE)
 #define rcu_dereference_protected(p, c) (p)
 #define rcu_assign_pointer(p, v) __atomic_store_n(&(p), (v), __ATOMIC_RELEASE)

@@ -192,8 +192,10 @@ static void *fast_thread(void *argp)
 		z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
 		z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
 		z ^= z >> 31;
+		rcu_read_lock();
 		if (tsp_thin_find_block_fast(a->p->td, z % a->span, &res))
 			misses++;
+		rcu_read_unlock();
 	}
 	tsp_user_rcu_unregister_thread();
 	a->misses = misses;

@@ -120,8 +120,11 @@ static bool lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		   u64 *block, u32 *time)
 {
 	struct tsp_mc_mapping m = { ~0ULL, ~0U };
-	bool hit = tsp_mc_lookup(mc, dev, virt, &m);
+	bool hit;
 
+	rcu_read_lock();
+	hit = tsp_mc_lookup(mc, dev, virt, &m);
+	rcu_read_unlock();
 	if (hit) {
 		*block = m.block;
 		*time = m.time;
@@ -525,9 +528,13 @@ static void *c_reader(void *arg)
 		u32 k = rnd_next(&state) % C_KEYS;
 		u64 floor = __atomic_load_n(&c_keys[k].floor, __ATOMIC_ACQUIRE);
 		u64 g, published;
+		bool hit;
 
 		lookups++;
-		if (!tsp_mc_lookup(c_mc, c_dev(k), c_virt(k), &m))
+		rcu_read_lock();
+		hit = tsp_mc_lookup(c_mc, c_dev(k), c_virt(k), &m);
+		rcu_read_unlock();
+		if (!hit)
 			continue;
 		hits++;
 		published = __atomic_load_n(&c_keys[k].published, __ATOMIC_ACQUIRE);
@@ -706,8 +713,13 @@ static void pool_destroy(struct pool *p)
 static int fast(struct tsp_thin_device *td, tsp_block_t virt,
 		struct tsp_thin_lookup_result *res)
 {
+	int r;
+
 	res->block = ~0ULL;
-	return tsp_thin_find_block_fast(td, virt, res);
+	rcu_read_lock();
+	r = tsp_thin_find_block_fast(td, virt, res);
+	rcu_read_unlock();
+	return r;
 }
 
 #define FAST_HIT(td, v, b, sh)						\
@@ -943,7 +955,9 @@ static void *s_reader(void *arg)
 			if (r && r != -ENODATA)
 				fail(__FILE__, __LINE__, "virt %u: lookup: %d", v, r);
 		} else {
+			rcu_read_lock();
 			r = tsp_thin_find_block_fast(s_td, v, &res);
+			rcu_read_unlock();
 		}
 		if (r)
 			continue;
