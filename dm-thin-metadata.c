@@ -146,6 +146,15 @@ struct tsp_thin_device {
 	 */
 	tsp_block_t root;
 	u64 root_gen;
+
+	/*
+	 * No virtual block at or past @mapped_end is mapped: inserts raise
+	 * it, removals leave it (an upper bound, not the highest mapping).
+	 * Read from the tree when the device comes into core and on abort.
+	 * A lookup past it needs no walk: a device filled in ascending
+	 * order finds each new block unmapped for free.
+	 */
+	tsp_block_t mapped_end;
 };
 
 /*----------------------------------------------------------------
@@ -618,6 +627,28 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
 	return r;
 }
 
+static int __device_root(struct tsp_thin_device *td, tsp_block_t *root);
+
+/* Set @td->mapped_end from its mapping tree: one past its highest key. */
+static int __read_mapped_end(struct tsp_thin_device *td)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	tsp_block_t root;
+	u64 key;
+	int r;
+
+	r = __device_root(td, &root);
+	if (!r)
+		r = tsp_btree_find_highest_key(&pmd->bl_info, root, &key);
+	if (r == -ENODATA) {
+		td->mapped_end = 0;
+		return 0;
+	}
+	if (!r)
+		td->mapped_end = key + 1;
+	return r;
+}
+
 /* tsp_pool_abort_metadata(), with @root_lock held for writing. */
 static int __abort(struct tsp_pool_metadata *pmd)
 {
@@ -664,6 +695,14 @@ static int __abort(struct tsp_pool_metadata *pmd)
 		td->transaction_id = d.transaction_id;
 		td->creation_time = d.creation_time;
 		WRITE_ONCE(td->snapshotted_time, d.snapshotted_time);
+		if (r == -ENODATA) {
+			/* Its creation was aborted: lookups must find it gone. */
+			td->mapped_end = U64_MAX;
+		} else {
+			r = __read_mapped_end(td);
+			if (r)
+				goto out;
+		}
 		link = &td->next;
 	}
 	r = 0;
@@ -815,6 +854,11 @@ static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	td->transaction_id = d.transaction_id;
 	td->creation_time = d.creation_time;
 	td->snapshotted_time = d.snapshotted_time;
+	r = __read_mapped_end(td);
+	if (r) {
+		kfree(td);
+		return r;
+	}
 	td->next = pmd->devices;
 	pmd->devices = td;
 	*result = td;
@@ -843,9 +887,13 @@ static void __close_device(struct tsp_thin_device *td)
 		__forget_device(td->pmd, td);
 }
 
-/* Add a device with the given details and mapping tree root. */
+/*
+ * Add a device with the given details and mapping tree root, whose
+ * mappings are all below @mapped_end.
+ */
 static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
-			tsp_block_t tree_root, const struct tsp_thin_details *d)
+			tsp_block_t tree_root, const struct tsp_thin_details *d,
+			tsp_block_t mapped_end)
 {
 	struct tsp_thin_device *td;
 	__le64 value = cpu_to_le64(tree_root);
@@ -868,6 +916,7 @@ static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	td->transaction_id = d->transaction_id;
 	td->creation_time = d->creation_time;
 	td->snapshotted_time = d->snapshotted_time;
+	td->mapped_end = mapped_end;
 	td->next = pmd->devices;
 	pmd->devices = td;
 	return 0;
@@ -901,7 +950,7 @@ static int __create_thin(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	if (!r)
 		r = tsp_btree_empty(&pmd->bl_info, &tree_root);
 	if (!r)
-		r = __add_device(pmd, dev, tree_root, d);
+		r = __add_device(pmd, dev, tree_root, d, 0);
 	return r;
 }
 
@@ -961,7 +1010,7 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	d.transaction_id = pmd->trans_id;
 	d.creation_time = pmd->time;
 	d.snapshotted_time = pmd->time;
-	r = __add_device(pmd, dev, origin_root, &d);
+	r = __add_device(pmd, dev, origin_root, &d, otd->mapped_end);
 out:
 	__close_device(otd);
 	return r;
@@ -1291,7 +1340,12 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 	int r;
 
 	down_read(&pmd->root_lock);
-	r = pmd->fail_io ? -EPERM : __device_root(td, &root);
+	if (pmd->fail_io)
+		r = -EPERM;
+	else if (virt >= td->mapped_end)
+		r = -ENODATA;
+	else
+		r = __device_root(td, &root);
 	if (!r)
 		r = __find_block(td, virt, root, result, &time);
 	if (!r)
@@ -1481,6 +1535,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	td->changed = true;
 	if (inserted)
 		td->mapped_blocks++;
+	td->mapped_end = max(td->mapped_end, virt + 1);
 	return 0;
 }
 

@@ -1015,7 +1015,9 @@ int tsp_btree_lookup_next(struct tsp_btree_info *info, tsp_block_t root,
  * @root: the root
  * @key: out
  *
- * Returns 0 or -ENODATA for an empty tree.
+ * Returns 0, -ENODATA for an empty tree, or -EILSEQ for an empty node
+ * below the root: only a corrupt tree has one, and there the key found
+ * would not be the largest, which callers rely on.
  */
 int tsp_btree_find_highest_key(struct tsp_btree_info *info, tsp_block_t root,
 			       u64 *key)
@@ -1026,7 +1028,7 @@ int tsp_btree_find_highest_key(struct tsp_btree_info *info, tsp_block_t root,
 	int depth, r;
 
 	for (depth = 0; depth <= MAX_DEPTH; depth++) {
-		r = read_node(info, b, &blk);
+		r = read_node_at(info, b, depth, &blk);
 		if (r)
 			return r;
 		n = node_of(blk);

@@ -877,6 +877,18 @@ static void test_metadata(void)
 	CHECK_R(st.entries, 1);
 	tsp_pool_close_thin_device(td2);
 
+	/*
+	 * A device open when its creation is aborted is gone: its lookups
+	 * fail, they do not find every block unmapped.
+	 */
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 3), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 3, &td2), 0);
+	CHECK_R(tsp_thin_find_block(td2, 7, &res), -ENODATA);
+	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
+	CHECK_R(tsp_thin_find_block(td2, 7, &res), -ENODEV);
+	tsp_pool_close_thin_device(td2);
+
 	/* A budget of 0: nothing cached, every fast lookup misses. */
 	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, 0), 0);
 	CHECK_R(tsp_thin_find_block(td1, 1, &res), 0);
