@@ -60,6 +60,7 @@
 #define THIN_METADATA_CACHE_BLOCKS 64
 #define THIN_NEEDS_CHECK_FLAG 1
 #define TIME_BITS 24
+#define NO_MAPPED_END U64_MAX	/* tsp_thin_device.mapped_end unknown */
 
 struct thin_disk_superblock {
 	__le32 csum;
@@ -149,10 +150,11 @@ struct tsp_thin_device {
 
 	/*
 	 * No virtual block at or past @mapped_end is mapped: inserts raise
-	 * it, removals leave it (an upper bound, not the highest mapping).
-	 * Read from the tree when the device comes into core and on abort.
-	 * A lookup past it needs no walk: a device filled in ascending
-	 * order finds each new block unmapped for free.
+	 * it, removals leave it (an upper bound, not the highest mapping);
+	 * NO_MAPPED_END when unknown.  Read from the tree when the device
+	 * comes into core and on abort.  A lookup past it needs no walk: a
+	 * device filled in ascending order finds each new block unmapped
+	 * for free.
 	 */
 	tsp_block_t mapped_end;
 };
@@ -629,8 +631,17 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
 
 static int __device_root(struct tsp_thin_device *td, tsp_block_t *root);
 
-/* Set @td->mapped_end from its mapping tree: one past its highest key. */
-static int __read_mapped_end(struct tsp_thin_device *td)
+/* The mapped_end of a device whose highest mapping is @virt. */
+static tsp_block_t mapped_end_past(tsp_block_t virt)
+{
+	return virt < NO_MAPPED_END ? virt + 1 : NO_MAPPED_END;
+}
+
+/*
+ * Set @td->mapped_end from its mapping tree: one past its highest key.
+ * Unknown if the tree cannot be read: its lookups then fail themselves.
+ */
+static void __read_mapped_end(struct tsp_thin_device *td)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	tsp_block_t root;
@@ -640,13 +651,12 @@ static int __read_mapped_end(struct tsp_thin_device *td)
 	r = __device_root(td, &root);
 	if (!r)
 		r = tsp_btree_find_highest_key(&pmd->bl_info, root, &key);
-	if (r == -ENODATA) {
+	if (r == -ENODATA)
 		td->mapped_end = 0;
-		return 0;
-	}
-	if (!r)
-		td->mapped_end = key + 1;
-	return r;
+	else if (r)
+		td->mapped_end = NO_MAPPED_END;
+	else
+		td->mapped_end = mapped_end_past(key);
 }
 
 /* tsp_pool_abort_metadata(), with @root_lock held for writing. */
@@ -695,14 +705,11 @@ static int __abort(struct tsp_pool_metadata *pmd)
 		td->transaction_id = d.transaction_id;
 		td->creation_time = d.creation_time;
 		WRITE_ONCE(td->snapshotted_time, d.snapshotted_time);
-		if (r == -ENODATA) {
+		if (r == -ENODATA)
 			/* Its creation was aborted: lookups must find it gone. */
-			td->mapped_end = U64_MAX;
-		} else {
-			r = __read_mapped_end(td);
-			if (r)
-				goto out;
-		}
+			td->mapped_end = NO_MAPPED_END;
+		else
+			__read_mapped_end(td);
 		link = &td->next;
 	}
 	r = 0;
@@ -854,11 +861,7 @@ static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	td->transaction_id = d.transaction_id;
 	td->creation_time = d.creation_time;
 	td->snapshotted_time = d.snapshotted_time;
-	r = __read_mapped_end(td);
-	if (r) {
-		kfree(td);
-		return r;
-	}
+	__read_mapped_end(td);
 	td->next = pmd->devices;
 	pmd->devices = td;
 	*result = td;
@@ -1342,7 +1345,7 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 	down_read(&pmd->root_lock);
 	if (pmd->fail_io)
 		r = -EPERM;
-	else if (virt >= td->mapped_end)
+	else if (virt >= td->mapped_end && td->mapped_end != NO_MAPPED_END)
 		r = -ENODATA;
 	else
 		r = __device_root(td, &root);
@@ -1535,7 +1538,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	td->changed = true;
 	if (inserted)
 		td->mapped_blocks++;
-	td->mapped_end = max(td->mapped_end, virt + 1);
+	td->mapped_end = max(td->mapped_end, mapped_end_past(virt));
 	return 0;
 }
 

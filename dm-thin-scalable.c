@@ -985,8 +985,9 @@ static void finish_job(struct worker *w, struct job *job)
  * The new blocks of @jobs whose IO failed will not be mapped: give them
  * back, or they would stay allocated for good, as dm-thin leaves them.
  * No IO can be in flight to them: no mapping ever pointed there.
+ * Return: 0, or the metadata error (the transaction is then failed).
  */
-static void release_failed_blocks(struct pool *pool, struct list_head *jobs)
+static int release_failed_blocks(struct pool *pool, struct list_head *jobs)
 {
 	struct job *job;
 	int r;
@@ -995,16 +996,17 @@ static void release_failed_blocks(struct pool *pool, struct list_head *jobs)
 		if (!job->err)
 			continue;
 		r = tsp_pool_release_data_block(pool->pmd, job->mapping.data);
-		if (r) {
-			metadata_failed(pool, "release_data_block", r);
-			return;
-		}
+		if (r)
+			return r;
 	}
+	return 0;
 }
 
 /*
- * Worker: map the blocks of every job whose IO finished, in one metadata
- * update, then release their bios.  Taking the metadata lock once per
+ * Worker: map the blocks of every job whose IO finished, and give back
+ * those of the jobs whose IO failed, before any is reported done (a
+ * failure aborts the transaction: none of the batch is then mapped); then
+ * release their bios.  Taking the metadata lock once per
  * batch rather than once per job also means the worker does not yield to
  * the submitter woken by the first completed bio before it has completed
  * the others.
@@ -1015,7 +1017,7 @@ static void process_completed_jobs(struct worker *w)
 	struct job *job, *tmp;
 	LIST_HEAD(jobs);
 	LIST_HEAD(mappings);
-	unsigned int nr_inserted;
+	unsigned int nr_inserted = 0;
 	bool frees = false;
 	int r = 0;
 
@@ -1046,14 +1048,15 @@ static void process_completed_jobs(struct worker *w)
 		 * free").
 		 */
 		mutex_lock(&pool->commit_lock);
-		r = tsp_pool_insert_mappings(pool->pmd, &mappings, &nr_inserted);
+		r = release_failed_blocks(pool, &jobs);
+		if (!r)
+			r = tsp_pool_insert_mappings(pool->pmd, &mappings,
+						     &nr_inserted);
 		if (frees && nr_inserted)
 			pool->freed_this_transaction = true;
 		mutex_unlock(&pool->commit_lock);
 		if (r)
-			metadata_failed(pool, "insert_block", r);
-		else
-			release_failed_blocks(pool, &jobs);
+			metadata_failed(pool, "map_completed_blocks", r);
 	}
 	/* On failure the transaction is aborted: none of the batch is mapped. */
 	if (r)
