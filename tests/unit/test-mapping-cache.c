@@ -520,29 +520,25 @@ static void *c_reader(void *arg)
 {
 	unsigned int id = (unsigned long)arg;
 	u64 state = seed ^ (0x1000 + id), seen[C_KEYS] = { 0 };
-	u64 lookups = 0, hits = 0;
-	struct tsp_mc_mapping m;
+	u64 lookups = 0, hits = 0, block;
+	u32 time;
 
 	tsp_user_rcu_register_thread();
 	while (!__atomic_load_n(&c_stop, __ATOMIC_ACQUIRE)) {
 		u32 k = rnd_next(&state) % C_KEYS;
 		u64 floor = __atomic_load_n(&c_keys[k].floor, __ATOMIC_ACQUIRE);
 		u64 g, published;
-		bool hit;
 
 		lookups++;
-		rcu_read_lock();
-		hit = tsp_mc_lookup(c_mc, c_dev(k), c_virt(k), &m);
-		rcu_read_unlock();
-		if (!hit)
+		if (!lookup(c_mc, c_dev(k), c_virt(k), &block, &time))
 			continue;
 		hits++;
 		published = __atomic_load_n(&c_keys[k].published, __ATOMIC_ACQUIRE);
-		g = m.block & 0xffffffff;
-		if (m.block >> 32 != k || m.time != gen_time(g) || g == 0)
+		g = block & 0xffffffff;
+		if (block >> 32 != k || time != gen_time(g) || g == 0)
 			fail(__FILE__, __LINE__,
 			     "reader %u: key %u returned (%#llx, %#x): not its value",
-			     id, k, (unsigned long long)m.block, m.time);
+			     id, k, (unsigned long long)block, time);
 		if (g > published)
 			fail(__FILE__, __LINE__,
 			     "reader %u: key %u generation %llu not published (%llu)",
@@ -967,9 +963,7 @@ static void *s_reader(void *arg)
 			if (r && r != -ENODATA)
 				fail(__FILE__, __LINE__, "virt %u: lookup: %d", v, r);
 		} else {
-			rcu_read_lock();
-			r = tsp_thin_find_block_fast(s_td, v, &res);
-			rcu_read_unlock();
+			r = fast(s_td, v, &res);
 		}
 		if (r)
 			continue;
