@@ -245,6 +245,7 @@ struct worker {
 	struct bio_list issue_after_commit;	/* issue after commit */
 	bool commit_requested;
 	int aborts_seen;			/* pool->aborts, last pass */
+	u64 passes;				/* written here, read by stats */
 } ____cacheline_aligned_in_smp;
 
 /* One table's pool target. */
@@ -1434,6 +1435,7 @@ static void do_worker(struct work_struct *ws)
 	struct worker *w = container_of(ws, struct worker, work);
 
 	WRITE_ONCE(w->running, true);
+	WRITE_ONCE(w->passes, w->passes + 1);
 	process_completed_jobs(w);
 	process_deferred_bios(w);
 	/* Jobs whose IO already completed finish in this pass. */
@@ -2019,9 +2021,12 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 	struct pool_stats sum = { 0 };
 	struct tsp_mc_stats cache = { 0 };
 	tsp_block_t nr, nr_free;
-	unsigned int sz = 0;
+	unsigned int sz = 0, i;
+	u64 passes = 0;
 	int cpu;
 
+	for (i = 0; i < pool->nr_workers; i++)
+		passes += READ_ONCE(pool->workers[i].passes);
 	for_each_possible_cpu(cpu) {
 		sum.fast += per_cpu_ptr(pool->stats, cpu)->fast;
 		sum.deferred += per_cpu_ptr(pool->stats, cpu)->deferred;
@@ -2033,12 +2038,13 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 
 	DMEMIT("fast_ios %llu deferred_ios %llu cache_entries %llu cache_hits %llu "
 	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu "
-	       "workers %u",
+	       "workers %u worker_passes %llu",
 	       (unsigned long long)sum.fast, (unsigned long long)sum.deferred,
 	       (unsigned long long)cache.entries, (unsigned long long)cache.hits,
 	       (unsigned long long)cache.misses, (unsigned long long)cache.evictions,
 	       (unsigned long long)atomic64_read(&pool->commits),
-	       (unsigned long long)(nr - nr_free), pool->nr_workers);
+	       (unsigned long long)(nr - nr_free), pool->nr_workers,
+	       (unsigned long long)passes);
 	return 1;
 }
 

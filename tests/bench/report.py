@@ -178,14 +178,19 @@ def build(runs, stats):
                    "lat_mean_us": summary(lat),
                    "errors": sum(1 for n in rounds
                                  if (j, n, t) in by and by[(j, n, t)]["error"])}
-            shares = []
+            shares, per_pass = [], []
             for n in rounds:
                 d = by.get((j, n, t), {}).get("pool_stats_delta") or {}
                 f, q = d.get("fast_ios"), d.get("deferred_ios")
+                p = d.get("worker_passes")
                 if f is not None and q is not None and f + q > 0:
                     shares.append(f / (f + q))
+                if q is not None and p:
+                    per_pass.append(q / p)
             if shares:
                 ent["fast_path_share"] = summary(shares)
+            if per_pass:
+                ent["deferred_per_pass"] = summary(per_pass)
             for base in ("linear", "thin-pool"):
                 ratios = []
                 for n in rounds:
@@ -375,12 +380,17 @@ def main():
     print()
     for j in jobs:
         print("  %-18s %s" % (j, JOBS.get(j, "")))
-    shares = ["%s %.0f%%" % (j, 100 * result[j]["thin-scalable"]["fast_path_share"]["median"])
-              for j in jobs if "fast_path_share" in result[j].get("thin-scalable", {})]
-    if shares:
-        print()
-        print("thin-scalable bios on the fast path (the pool's stats, median): "
-              + ", ".join(shares))
+    for key, what, fmt_one in (
+            ("fast_path_share", "bios on the fast path",
+             lambda v: "%.0f%%" % (100 * v)),
+            ("deferred_per_pass", "deferred bios per worker pass",
+             lambda v: "%.1f" % v)):
+        found = ["%s %s" % (j, fmt_one(result[j]["thin-scalable"][key]["median"]))
+                 for j in jobs if key in result[j].get("thin-scalable", {})]
+        if found:
+            print()
+            print("thin-scalable %s (the pool's stats, median): %s"
+                  % (what, ", ".join(found)))
     errors = [r for r in runs if r["error"]]
     for r in errors[:20]:
         print("report: %s round %d %s: %s" % (r["job"], r["round"], r["target"],

@@ -585,6 +585,8 @@ test_messages() {
 		assert_eq 64 "${BASH_REMATCH[1]}" "stats: provisioned_blocks"
 		[[ $out =~ workers\ ([0-9]+) ]] || fail "stats: no workers: '$out'"
 		assert_eq "$(expected_workers)" "${BASH_REMATCH[1]}" "stats: workers"
+		[[ $out =~ worker_passes\ ([0-9]+) ]] || fail "stats: no worker_passes: '$out'"
+		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "stats: no worker passes after provisioning: '$out'"
 	fi
 
 	check_pool_status tss-pool
