@@ -624,7 +624,11 @@ static void check_metadata_space(struct pool *pool)
 
 static void requeue_retry_list(struct pool *pool);
 
-/* Out of data space, and a commit freed blocks: back to write mode. */
+/*
+ * Out of data space, but blocks are free: back to write mode, and retry
+ * the queued bios.  Blocks freed in this transaction are handed out only
+ * after it commits; alloc_block() commits when it finds none.
+ */
 static void check_data_space(struct pool *pool)
 {
 	tsp_block_t nr_free;
@@ -1132,11 +1136,15 @@ static void no_space_for(struct pool *pool, struct bio *bio)
 	bio_list_add(&pool->retry_list, bio);
 	spin_unlock_irq(&pool->lock);
 	/*
-	 * A commit elsewhere may have freed blocks and switched back to
-	 * write mode since, requeueing the list before @bio was on it.
+	 * Blocks may have been freed since the allocation failed: by a
+	 * commit elsewhere that switched back to write mode, requeueing the
+	 * list before @bio was on it; or by one that came before the switch
+	 * above, and so did not look.
 	 */
 	if (pool_mode(pool) == PM_WRITE)
 		requeue_retry_list(pool);
+	else
+		check_data_space(pool);
 }
 
 static void check_low_water_mark(struct pool *pool)
