@@ -54,7 +54,8 @@
  *
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
- *   pool->mode_lock    a change of pool mode; low_water_triggered
+ *   pool->mode_lock    a change of pool mode; low_water_triggered; the
+ *                      no-space timeout's change of error_if_no_space
  *   pool->commit_lock  a commit, and the IO path's mapping changes
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
@@ -245,7 +246,8 @@ struct worker {
 	struct bio_list issue_after_commit;	/* issue after commit */
 	bool commit_requested;
 	int aborts_seen;			/* pool->aborts, last pass */
-	u64 passes;				/* written here, read by stats */
+
+	u64 passes;		/* written by the work item, read by stats */
 } ____cacheline_aligned_in_smp;
 
 /* One table's pool target. */
@@ -473,6 +475,19 @@ static const char *mode_name(enum pool_mode mode)
 
 static void error_retry_list(struct pool *pool, blk_status_t status);
 
+/*
+ * Out of data space no longer: undo the timeout, armed or expired, as
+ * dm-thin does, so that the next time queues IO for the full time.
+ */
+static void leave_no_space_mode(struct pool *pool)
+{
+	struct pool_c *pt = pool->ti ? pool->ti->private : NULL;
+
+	cancel_delayed_work(&pool->no_space_timeout);
+	if (pt)
+		pool->pf.error_if_no_space = pt->adjusted_pf.error_if_no_space;
+}
+
 static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
 {
 	enum pool_mode old = pool_mode(pool);
@@ -494,6 +509,8 @@ static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
 	    no_space_timeout_secs)
 		queue_delayed_work(pool->wq, &pool->no_space_timeout,
 				   no_space_timeout_secs * HZ);
+	else if (old == PM_OUT_OF_DATA_SPACE)
+		leave_no_space_mode(pool);
 	WRITE_ONCE(pool->pf.mode, mode);
 	if (mode != PM_WRITE && mode != PM_OUT_OF_DATA_SPACE)
 		error_retry_list(pool, BLK_STS_IOERR);
@@ -626,13 +643,15 @@ static void requeue_retry_list(struct pool *pool);
 
 /*
  * Out of data space, but blocks are free: back to write mode, and retry
- * the queued bios.  Blocks freed in this transaction are handed out only
- * after it commits; alloc_block() commits when it finds none.
+ * the queued bios.  Caller holds commit_lock.  Blocks freed in this
+ * transaction are handed out only after it commits; alloc_block()
+ * commits when it finds none.
  */
 static void check_data_space(struct pool *pool)
 {
 	tsp_block_t nr_free;
 
+	lockdep_assert_held(&pool->commit_lock);
 	if (pool_mode(pool) != PM_OUT_OF_DATA_SPACE ||
 	    tsp_pool_get_free_block_count(pool->pmd, &nr_free) || !nr_free)
 		return;
@@ -1110,16 +1129,22 @@ static void do_no_space_timeout(struct work_struct *ws)
 	struct pool *pool = container_of(to_delayed_work(ws), struct pool,
 					 no_space_timeout);
 
+	/* Under mode_lock: leaving the mode undoes this (leave_no_space_mode()). */
+	mutex_lock(&pool->mode_lock);
 	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space) {
 		DMWARN("%s: no data space for %u s: erroring queued IO",
 		       dm_device_name(pool->pool_md), no_space_timeout_secs);
 		pool->pf.error_if_no_space = true;
 		error_retry_list(pool, BLK_STS_NOSPC);
 	}
+	mutex_unlock(&pool->mode_lock);
 }
 
-/* A write needs a new block and there is none. */
-static void no_space_for(struct pool *pool, struct bio *bio)
+/*
+ * A write needs a new block and there is none.  @commits_seen: the pool's
+ * commit count when the allocation that failed started.
+ */
+static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
 {
 	if (switch_pool_mode(pool, PM_WRITE, PM_OUT_OF_DATA_SPACE) !=
 	    PM_OUT_OF_DATA_SPACE) {
@@ -1127,6 +1152,22 @@ static void no_space_for(struct pool *pool, struct bio *bio)
 		bio_io_error(bio);
 		return;
 	}
+	/*
+	 * A commit elsewhere since the allocation started may have made
+	 * freed blocks allocatable, and looked (check_data_space()) before
+	 * the switch above: look again.  Only then, so that blocks the
+	 * count calls free but allocation cannot find (corrupt metadata)
+	 * do not send the bio round for ever.
+	 */
+	mutex_lock(&pool->commit_lock);
+	if (atomic64_read(&pool->commits) != commits_seen)
+		check_data_space(pool);
+	mutex_unlock(&pool->commit_lock);
+	if (pool_mode(pool) == PM_WRITE) {
+		defer_bio(pool, bio);
+		return;
+	}
+
 	if (pool->pf.error_if_no_space) {
 		bio->bi_status = BLK_STS_NOSPC;
 		bio_endio(bio);
@@ -1136,15 +1177,11 @@ static void no_space_for(struct pool *pool, struct bio *bio)
 	bio_list_add(&pool->retry_list, bio);
 	spin_unlock_irq(&pool->lock);
 	/*
-	 * Blocks may have been freed since the allocation failed: by a
-	 * commit elsewhere that switched back to write mode, requeueing the
-	 * list before @bio was on it; or by one that came before the switch
-	 * above, and so did not look.
+	 * A commit since may have switched back to write mode, requeueing
+	 * the list before @bio was on it.
 	 */
 	if (pool_mode(pool) == PM_WRITE)
 		requeue_retry_list(pool);
-	else
-		check_data_space(pool);
 }
 
 static void check_low_water_mark(struct pool *pool)
@@ -1175,11 +1212,12 @@ static void check_low_water_mark(struct pool *pool)
 static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 {
 	tsp_block_t nr_meta, nr_meta_free;
+	u64 commits = atomic64_read(&pool->commits);
 	int r;
 
 	if (pool_mode(pool) != PM_WRITE) {
 		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
-			no_space_for(pool, bio);
+			no_space_for(pool, bio, commits);
 			return -ENOSPC;
 		}
 		bio_io_error(bio);
@@ -1193,10 +1231,11 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 			bio_io_error(bio);	/* commit() dealt with the failure */
 			return -EIO;
 		}
+		commits = atomic64_read(&pool->commits);
 		r = tsp_pool_alloc_data_block(pool->pmd, result);
 	}
 	if (r == -ENOSPC) {
-		no_space_for(pool, bio);
+		no_space_for(pool, bio, commits);
 		return r;
 	}
 	if (r) {

@@ -702,6 +702,32 @@ test_no_space() {
 	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after the second resize"
 	assert_eq "$(part_sha a 32 8)" "$(dev_sha $t 32 8)" "the queued write's data"
 	assert_eq "$(part_sha a 0 32)" "$(dev_sha $t 0 32)" "data before it"
+
+	# The timeout ends a time out of space by erroring writes; once a
+	# discard frees blocks the pool is back in write mode, and the next
+	# time out of space queues writes for the full timeout again.
+	echo 2 >"$NO_SPACE_TIMEOUT"
+	dm_message tss-pool "create_thin 1"
+	dm_create tss-thin1 "0 131072 $THIN_T /dev/mapper/tss-pool 1"
+	if dd if=a of=/dev/mapper/tss-thin1 bs=1M count=32 oflag=direct status=none 2>dd.err; then
+		fail "writing 32 MiB into 24 MiB of space succeeded"
+	fi
+	assert_eq out_of_data_space "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode when full again"
+	blkdiscard -o 0 -l 8M /dev/mapper/tss-thin1 || fail "discarding 8 MiB failed"
+	for _ in $(seq 50); do
+		[ "$(dm_status tss-pool | cut -d' ' -f5)" = rw ] && break
+		sleep 0.1
+	done
+	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after a discard freed blocks"
+	t0=$EPOCHREALTIME
+	if dd if=a of=/dev/mapper/tss-thin1 bs=1M seek=32 count=16 oflag=direct status=none 2>dd.err; then
+		fail "writing 16 MiB into 8 MiB of space succeeded"
+	fi
+	dt=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+	log "out of space again after the timeout: dd failed after ${dt}s: $(cat dd.err)"
+	awk -v d="$dt" 'BEGIN { exit !(d >= 1.5) }' ||
+		fail "out of space again after the timeout, the write failed after ${dt}s, not queued"
+	dm_remove tss-thin1
 	dm_remove tss-thin0
 	teardown_pool
 }
