@@ -55,7 +55,8 @@
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
  *   pool->mode_lock    a change of pool mode; low_water_triggered; the
- *                      no-space timeout's change of error_if_no_space
+ *                      no-space timeout (its deadline, and its change
+ *                      of error_if_no_space)
  *   pool->commit_lock  a commit, and the IO path's mapping changes
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
@@ -189,11 +190,13 @@ struct pool {
 	unsigned int nr_workers;
 	struct delayed_work waker;
 	struct delayed_work no_space_timeout;
+	unsigned long no_space_deadline;	/* mode_lock: jiffies */
 
 	/* Set when the pool target is resumed; read by the IO path. */
 	struct dm_target *ti;
 	struct block_device *data_bdev;
 	struct pool_features pf;
+	bool table_error_if_no_space;		/* the table's, not the timeout's */
 	u32 sectors_per_block;
 	int sectors_per_block_shift;		/* -1 if not a power of 2 */
 	tsp_block_t low_water_blocks;
@@ -481,11 +484,17 @@ static void error_retry_list(struct pool *pool, blk_status_t status);
  */
 static void leave_no_space_mode(struct pool *pool)
 {
-	struct pool_c *pt = pool->ti ? pool->ti->private : NULL;
-
 	cancel_delayed_work(&pool->no_space_timeout);
-	if (pt)
-		pool->pf.error_if_no_space = pt->adjusted_pf.error_if_no_space;
+	WRITE_ONCE(pool->pf.error_if_no_space, pool->table_error_if_no_space);
+}
+
+/* Error queued IO after no_space_timeout_secs of this time out of space. */
+static void arm_no_space_timeout(struct pool *pool)
+{
+	lockdep_assert_held(&pool->mode_lock);
+	pool->no_space_deadline = jiffies + no_space_timeout_secs * HZ;
+	queue_delayed_work(pool->wq, &pool->no_space_timeout,
+			   no_space_timeout_secs * HZ);
 }
 
 static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
@@ -507,8 +516,7 @@ static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
 		tsp_pool_metadata_read_write(pool->pmd);
 	if (mode == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
 	    no_space_timeout_secs)
-		queue_delayed_work(pool->wq, &pool->no_space_timeout,
-				   no_space_timeout_secs * HZ);
+		arm_no_space_timeout(pool);
 	else if (old == PM_OUT_OF_DATA_SPACE)
 		leave_no_space_mode(pool);
 	WRITE_ONCE(pool->pf.mode, mode);
@@ -1129,12 +1137,17 @@ static void do_no_space_timeout(struct work_struct *ws)
 	struct pool *pool = container_of(to_delayed_work(ws), struct pool,
 					 no_space_timeout);
 
-	/* Under mode_lock: leaving the mode undoes this (leave_no_space_mode()). */
+	/*
+	 * Under mode_lock: leaving the mode undoes this (leave_no_space_mode()).
+	 * The deadline: this run may be one cancelled too late, of an earlier
+	 * time out of space.
+	 */
 	mutex_lock(&pool->mode_lock);
-	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space) {
+	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
+	    time_after_eq(jiffies, pool->no_space_deadline)) {
 		DMWARN("%s: no data space for %u s: erroring queued IO",
 		       dm_device_name(pool->pool_md), no_space_timeout_secs);
-		pool->pf.error_if_no_space = true;
+		WRITE_ONCE(pool->pf.error_if_no_space, true);
 		error_retry_list(pool, BLK_STS_NOSPC);
 	}
 	mutex_unlock(&pool->mode_lock);
@@ -1177,11 +1190,15 @@ static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
 	bio_list_add(&pool->retry_list, bio);
 	spin_unlock_irq(&pool->lock);
 	/*
-	 * A commit since may have switched back to write mode, requeueing
-	 * the list before @bio was on it.
+	 * Whatever empties the list changes the mode or error_if_no_space
+	 * first: if that happened before @bio was on it, do what it did.
 	 */
 	if (pool_mode(pool) == PM_WRITE)
 		requeue_retry_list(pool);
+	else if (READ_ONCE(pool->pf.error_if_no_space))
+		error_retry_list(pool, BLK_STS_NOSPC);
+	else if (pool_mode(pool) != PM_OUT_OF_DATA_SPACE)
+		error_retry_list(pool, BLK_STS_IOERR);
 }
 
 static void check_low_water_mark(struct pool *pool)
@@ -1949,6 +1966,7 @@ static int pool_preresume(struct dm_target *ti)
 	pool->pf.discard_enabled = pt->adjusted_pf.discard_enabled;
 	pool->pf.discard_passdown = pt->adjusted_pf.discard_passdown;
 	pool->pf.error_if_no_space = pt->adjusted_pf.error_if_no_space;
+	pool->table_error_if_no_space = pt->adjusted_pf.error_if_no_space;
 
 	if (tsp_pool_metadata_needs_check(pool->pmd) &&
 	    pt->requested_pf.mode == PM_WRITE) {
@@ -2000,10 +2018,11 @@ static void pool_resume(struct dm_target *ti)
 	requeue_retry_list(pool);
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
 	/* Still out of space, now queueing: the timeout runs again. */
+	mutex_lock(&pool->mode_lock);
 	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
 	    no_space_timeout_secs)
-		queue_delayed_work(pool->wq, &pool->no_space_timeout,
-				   no_space_timeout_secs * HZ);
+		arm_no_space_timeout(pool);
+	mutex_unlock(&pool->mode_lock);
 }
 
 static void pool_postsuspend(struct dm_target *ti)

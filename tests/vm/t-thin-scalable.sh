@@ -719,11 +719,20 @@ test_no_space() {
 		sleep 0.1
 	done
 	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after a discard freed blocks"
+	dd if=a of=/dev/mapper/tss-thin1 bs=1M seek=32 count=8 oflag=direct conv=fsync status=none ||
+		fail "filling the 8 MiB the discard freed failed"
 	t0=$EPOCHREALTIME
-	if dd if=a of=/dev/mapper/tss-thin1 bs=1M seek=32 count=16 oflag=direct status=none 2>dd.err; then
-		fail "writing 16 MiB into 8 MiB of space succeeded"
+	dd if=a of=/dev/mapper/tss-thin1 bs=1M seek=40 count=1 oflag=direct status=none 2>dd.err &
+	pid=$!
+	if ! wait_gone $pid 200; then
+		reload_pool 64 1 error_if_no_space
+		wait_gone $pid 200 || true
+		fail "out of space again after the timeout, a write was not errored within 20 s (no_space_timeout 2)"
 	fi
 	dt=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')
+	if wait $pid; then
+		fail "a write to a full pool succeeded"
+	fi
 	log "out of space again after the timeout: dd failed after ${dt}s: $(cat dd.err)"
 	awk -v d="$dt" 'BEGIN { exit !(d >= 1.5) }' ||
 		fail "out of space again after the timeout, the write failed after ${dt}s, not queued"
