@@ -56,7 +56,8 @@
  *   pool_table_mutex   the list of pools, and pool->ref_count
  *   pool->mode_lock    a change of pool mode; low_water_triggered; the
  *                      no-space timeout (its deadline, and its change
- *                      of error_if_no_space)
+ *                      of error_if_no_space); pool->ti being set or
+ *                      cleared, and its table's events
  *   pool->commit_lock  a commit, and the IO path's mapping changes
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
@@ -192,7 +193,10 @@ struct pool {
 	struct delayed_work no_space_timeout;
 	unsigned long no_space_deadline;	/* mode_lock: jiffies */
 
-	/* Set when the pool target is resumed; read by the IO path. */
+	/*
+	 * Set when the pool target is resumed, cleared when it is destroyed,
+	 * under mode_lock; read by the IO path.
+	 */
 	struct dm_target *ti;
 	struct block_device *data_bdev;
 	struct pool_features pf;
@@ -479,6 +483,18 @@ static const char *mode_name(enum pool_mode mode)
 static void error_retry_list(struct pool *pool, blk_status_t status);
 
 /*
+ * Tell userspace (dmeventd) to look at the pool: a mode change or a low
+ * water mark.  Under mode_lock, which pool_dtr() takes to unbind its
+ * target, so the table is not freed under us.
+ */
+static void pool_event(struct pool *pool)
+{
+	lockdep_assert_held(&pool->mode_lock);
+	if (pool->ti)
+		dm_table_event(pool->ti->table);
+}
+
+/*
  * Out of data space no longer: undo the timeout, armed or expired, as
  * dm-thin does, so that the next time queues IO for the full time.
  */
@@ -525,8 +541,7 @@ static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
 
 	DMWARN("%s: switching pool to %s mode", dm_device_name(pool->pool_md),
 	       mode_name(mode));
-	if (pool->ti)
-		dm_table_event(pool->ti->table);
+	pool_event(pool);
 }
 
 static void set_pool_mode(struct pool *pool, enum pool_mode mode)
@@ -638,8 +653,9 @@ static void check_metadata_space(struct pool *pool)
 		DMWARN("%s: reached low water mark for metadata device: sending event",
 		       dm_device_name(pool->pool_md));
 		pool->metadata_low_water_triggered = true;
-		if (pool->ti)
-			dm_table_event(pool->ti->table);
+		mutex_lock(&pool->mode_lock);
+		pool_event(pool);
+		mutex_unlock(&pool->mode_lock);
 	}
 	if (nr_free <= metadata_reserve(nr_blocks) && !pool_is_read_only(pool)) {
 		DMERR("%s: no free metadata blocks", dm_device_name(pool->pool_md));
@@ -1215,8 +1231,7 @@ static void check_low_water_mark(struct pool *pool)
 		DMWARN("%s: reached low water mark for data device: sending event",
 		       dm_device_name(pool->pool_md));
 		WRITE_ONCE(pool->low_water_triggered, true);
-		if (pool->ti)
-			dm_table_event(pool->ti->table);
+		pool_event(pool);
 	}
 	mutex_unlock(&pool->mode_lock);
 }
@@ -1775,8 +1790,14 @@ static int parse_pool_features(struct dm_arg_set *as, struct pool_features *pf,
 static void pool_dtr(struct dm_target *ti)
 {
 	struct pool_c *pt = ti->private;
+	struct pool *pool = pt->pool;
 
-	pool_put(pt->pool);
+	/* The pool may outlive this table (its thin devices hold it). */
+	mutex_lock(&pool->mode_lock);
+	if (pool->ti == ti)
+		pool->ti = NULL;
+	mutex_unlock(&pool->mode_lock);
+	pool_put(pool);
 	dm_put_device(ti, pt->metadata_dev);
 	dm_put_device(ti, pt->data_dev);
 	kfree(pt);
@@ -1959,7 +1980,9 @@ static int pool_preresume(struct dm_target *ti)
 	int r;
 
 	/* Bind this table's devices and features to the pool. */
+	mutex_lock(&pool->mode_lock);
 	pool->ti = ti;
+	mutex_unlock(&pool->mode_lock);
 	pool->data_bdev = pt->data_dev->bdev;
 	pool->low_water_blocks = pt->low_water_blocks;
 	pool->pf.zero_new_blocks = pt->adjusted_pf.zero_new_blocks;
