@@ -504,10 +504,15 @@ static void leave_no_space_mode(struct pool *pool)
 	WRITE_ONCE(pool->pf.error_if_no_space, pool->table_error_if_no_space);
 }
 
-/* Error queued IO after no_space_timeout_secs of this time out of space. */
+/*
+ * Out of data space and queueing IO: error it after no_space_timeout_secs
+ * of this time out of space (unless the timeout is 0).
+ */
 static void arm_no_space_timeout(struct pool *pool)
 {
 	lockdep_assert_held(&pool->mode_lock);
+	if (pool->pf.error_if_no_space || !no_space_timeout_secs)
+		return;
 	pool->no_space_deadline = jiffies + no_space_timeout_secs * HZ;
 	queue_delayed_work(pool->wq, &pool->no_space_timeout,
 			   no_space_timeout_secs * HZ);
@@ -530,8 +535,7 @@ static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
 		tsp_pool_metadata_read_only(pool->pmd);
 	else if (old == PM_READ_ONLY)
 		tsp_pool_metadata_read_write(pool->pmd);
-	if (mode == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
-	    no_space_timeout_secs)
+	if (mode == PM_OUT_OF_DATA_SPACE)
 		arm_no_space_timeout(pool);
 	else if (old == PM_OUT_OF_DATA_SPACE)
 		leave_no_space_mode(pool);
@@ -2042,8 +2046,7 @@ static void pool_resume(struct dm_target *ti)
 	queue_delayed_work(pool->wq, &pool->waker, COMMIT_PERIOD);
 	/* Still out of space, now queueing: the timeout runs again. */
 	mutex_lock(&pool->mode_lock);
-	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE && !pool->pf.error_if_no_space &&
-	    no_space_timeout_secs)
+	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE)
 		arm_no_space_timeout(pool);
 	mutex_unlock(&pool->mode_lock);
 }
