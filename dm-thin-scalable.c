@@ -206,7 +206,6 @@ struct pool {
 	tsp_block_t low_water_blocks;
 	bool low_water_triggered;		/* mode_lock */
 	bool metadata_low_water_triggered;
-	bool suspended;
 
 	struct epoch_counts __percpu *epoch;
 	unsigned int epoch_index;
@@ -2035,7 +2034,6 @@ static void pool_resume(struct dm_target *ti)
 	struct pool_c *pt = ti->private;
 	struct pool *pool = pt->pool;
 
-	pool->suspended = false;
 	mutex_lock(&pool->mode_lock);
 	pool->low_water_triggered = false;
 	mutex_unlock(&pool->mode_lock);
@@ -2056,7 +2054,6 @@ static void pool_postsuspend(struct dm_target *ti)
 	struct pool_c *pt = ti->private;
 	struct pool *pool = pt->pool;
 
-	pool->suspended = true;
 	cancel_delayed_work_sync(&pool->waker);
 	cancel_delayed_work_sync(&pool->no_space_timeout);
 	flush_workqueue(pool->wq);
