@@ -63,7 +63,8 @@
  *                      none lands between a commit's data device flush
  *                      and its metadata commit; freed_this_transaction;
  *                      metadata_low_water_triggered
- *   pool->lock         (irq-safe spinlock) pool->retry_list
+ *   pool->lock         (irq-safe spinlock) pool->retry_list, and each
+ *                      thin device's requeue_no_space
  *   worker->lock       (irq-safe spinlock) worker->completed_jobs
  *   worker->running    written by its work item only; read by those
  *                      adding to its lists, after a full barrier (see
@@ -281,6 +282,13 @@ struct thin_c {
 	 */
 	struct dm_dev *origin_dev;
 	sector_t origin_size;
+
+	/*
+	 * Being suspended with noflush: bios that would wait for data space
+	 * go back to dm core instead, which holds them until the resume.
+	 * Under pool->lock.
+	 */
+	bool requeue_no_space;
 };
 
 /* Per bio, in the thin target's per-bio data. */
@@ -425,23 +433,34 @@ static long epoch_sum(struct pool *pool, unsigned int idx)
 	return sum;
 }
 
+static void epoch_drain(struct pool *pool, unsigned int idx)
+{
+	while (epoch_sum(pool, idx))
+		schedule_timeout_uninterruptible(1);
+}
+
 /*
  * Wait for every IO that may use a mapping removed before now.  Such an
  * IO looked the mapping up and entered an epoch inside one RCU read-side
  * section that began before the removal: after synchronize_rcu() all of
- * them are counted, in the current generation.  Flip the generation so
- * new IOs count elsewhere, and wait for the old one to drain.  Worker
- * and commit only; sleeps.
+ * them are counted.  Most in the current generation; but one that read
+ * the generation before the previous flip, and was held up before it
+ * counted itself, is in the other one, which that grace period may have
+ * found drained already.  Any such IO began its section before this
+ * synchronize_rcu() did, so it is counted by now and nothing enters the
+ * other generation any more: drain it, then flip so that new IOs count
+ * there, and drain the current one.  Callers hold commit_lock; sleeps.
  */
 static void epoch_wait_grace_period(struct pool *pool)
 {
-	unsigned int old = pool->epoch_index & 1;
+	unsigned int cur = pool->epoch_index & 1;
 
+	lockdep_assert_held(&pool->commit_lock);
 	synchronize_rcu();
-	WRITE_ONCE(pool->epoch_index, old ^ 1);
+	epoch_drain(pool, cur ^ 1);
+	WRITE_ONCE(pool->epoch_index, cur ^ 1);
 	smp_mb();	/* read the counts after the flip is visible */
-	while (epoch_sum(pool, old))
-		schedule_timeout_uninterruptible(1);
+	epoch_drain(pool, cur);
 }
 
 /* Send a remapped @bio, counted in the epoch. */
@@ -505,7 +524,8 @@ static void leave_no_space_mode(struct pool *pool)
 
 /*
  * Out of data space and queueing IO: error it after no_space_timeout_secs
- * of this time out of space (unless the timeout is 0).
+ * from now (unless the timeout is 0).  A timer still pending, armed while
+ * the pool was suspended, is moved to the new deadline.
  */
 static void arm_no_space_timeout(struct pool *pool)
 {
@@ -513,8 +533,8 @@ static void arm_no_space_timeout(struct pool *pool)
 	if (pool->pf.error_if_no_space || !no_space_timeout_secs)
 		return;
 	pool->no_space_deadline = jiffies + no_space_timeout_secs * HZ;
-	queue_delayed_work(pool->wq, &pool->no_space_timeout,
-			   no_space_timeout_secs * HZ);
+	mod_delayed_work(pool->wq, &pool->no_space_timeout,
+			 no_space_timeout_secs * HZ);
 }
 
 static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
@@ -638,6 +658,20 @@ static int get_metadata_space(struct pool *pool, tsp_block_t *nr_blocks,
  * Send the metadata low water event once; switch to out-of-metadata-space
  * mode when only the reserve is left.  Caller holds commit_lock.
  */
+/*
+ * Stop changing metadata, unless the pool did already: a switch back from
+ * read-only or fail mode would make metadata that failed writable again.
+ */
+static void enter_no_metadata_space_mode(struct pool *pool, const char *why)
+{
+	mutex_lock(&pool->mode_lock);
+	if (!pool_is_read_only(pool)) {
+		DMERR("%s: %s", dm_device_name(pool->pool_md), why);
+		__set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
+	}
+	mutex_unlock(&pool->mode_lock);
+}
+
 static void check_metadata_space(struct pool *pool)
 {
 	tsp_block_t nr_blocks, nr_free;
@@ -646,9 +680,7 @@ static void check_metadata_space(struct pool *pool)
 	/* Free blocks counting the reserve: the low water mark is on those. */
 	if (tsp_pool_get_metadata_dev_size(pool->pmd, &nr_blocks) ||
 	    tsp_pool_get_free_metadata_block_count(pool->pmd, &nr_free)) {
-		DMERR("%s: could not get free metadata blocks",
-		      dm_device_name(pool->pool_md));
-		set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
+		enter_no_metadata_space_mode(pool, "could not get free metadata blocks");
 		return;
 	}
 	if (!pool->metadata_low_water_triggered &&
@@ -660,10 +692,8 @@ static void check_metadata_space(struct pool *pool)
 		pool_event(pool);
 		mutex_unlock(&pool->mode_lock);
 	}
-	if (nr_free <= metadata_reserve(nr_blocks) && !pool_is_read_only(pool)) {
-		DMERR("%s: no free metadata blocks", dm_device_name(pool->pool_md));
-		set_pool_mode(pool, PM_OUT_OF_METADATA_SPACE);
-	}
+	if (nr_free <= metadata_reserve(nr_blocks))
+		enter_no_metadata_space_mode(pool, "no free metadata blocks");
 }
 
 static void requeue_retry_list(struct pool *pool);
@@ -815,8 +845,9 @@ static struct job *find_job(struct worker *w, struct thin_c *tc,
 {
 	struct job *job;
 
+	/* By thin device, not target: two tables may map one device. */
 	hlist_for_each_entry(job, job_bucket(w, tc, virt), hash)
-		if (job->tc == tc && job->mapping.virt == virt)
+		if (job->mapping.td == tc->td && job->mapping.virt == virt)
 			return job;
 	return NULL;
 }
@@ -1178,6 +1209,8 @@ static void do_no_space_timeout(struct work_struct *ws)
  */
 static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
 {
+	bool requeue;
+
 	if (switch_pool_mode(pool, PM_WRITE, PM_OUT_OF_DATA_SPACE) !=
 	    PM_OUT_OF_DATA_SPACE) {
 		/* Read-only or failed meanwhile. */
@@ -1206,8 +1239,15 @@ static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
 		return;
 	}
 	spin_lock_irq(&pool->lock);
-	bio_list_add(&pool->retry_list, bio);
+	requeue = thin_bio(bio)->tc->requeue_no_space;
+	if (!requeue)
+		bio_list_add(&pool->retry_list, bio);
 	spin_unlock_irq(&pool->lock);
+	if (requeue) {
+		bio->bi_status = BLK_STS_DM_REQUEUE;
+		bio_endio(bio);
+		return;
+	}
 	/*
 	 * Whatever empties the list changes the mode or error_if_no_space
 	 * first: if that happened before @bio was on it, do what it did.
@@ -1365,6 +1405,14 @@ static void process_discard(struct worker *w, struct thin_c *tc,
 			return;
 		}
 	}
+
+	/*
+	 * Writes held for the commit are remapped but not yet in an IO
+	 * epoch: one to a block freed here would be issued only after the
+	 * commit that makes the block free for reuse.  Send them first.
+	 */
+	if (!bio_list_empty(&w->issue_after_commit))
+		process_commit(w);
 
 	mutex_lock(&pool->commit_lock);
 	while (!r && begin_b < end_b) {
@@ -1994,17 +2042,23 @@ static int pool_preresume(struct dm_target *ti)
 	pool->pf.error_if_no_space = pt->adjusted_pf.error_if_no_space;
 	pool->table_error_if_no_space = pt->adjusted_pf.error_if_no_space;
 
+	/*
+	 * Under mode_lock: a metadata failure in the workers meanwhile sets
+	 * needs_check before it switches to read-only mode.
+	 */
+	mutex_lock(&pool->mode_lock);
 	if (tsp_pool_metadata_needs_check(pool->pmd) &&
 	    pt->requested_pf.mode == PM_WRITE) {
 		DMERR("%s: unable to switch pool to write mode until repaired",
 		      dm_device_name(pool->pool_md));
-		set_pool_mode(pool, PM_READ_ONLY);
+		__set_pool_mode(pool, PM_READ_ONLY);
 	} else if (pool_mode(pool) != PM_FAIL) {
 		if (pt->requested_pf.mode == PM_READ_ONLY)
-			set_pool_mode(pool, PM_READ_ONLY);
+			__set_pool_mode(pool, PM_READ_ONLY);
 		else if (pool_mode(pool) == PM_READ_ONLY)
-			set_pool_mode(pool, PM_WRITE);	/* no needs_check */
+			__set_pool_mode(pool, PM_WRITE);	/* no needs_check */
 	}
+	mutex_unlock(&pool->mode_lock);
 
 	if (pool_mode(pool) < PM_READ_ONLY) {
 		r = resize_data(pt);
@@ -2016,14 +2070,14 @@ static int pool_preresume(struct dm_target *ti)
 			tsp_block_t free;
 
 			if (!tsp_pool_get_free_block_count(pool->pmd, &free) && free)
-				set_pool_mode(pool, PM_WRITE);
+				switch_pool_mode(pool, PM_OUT_OF_DATA_SPACE, PM_WRITE);
 		}
 		if (pool_mode(pool) == PM_OUT_OF_METADATA_SPACE) {
 			tsp_block_t nr_meta, nr_meta_free;
 
 			if (!get_metadata_space(pool, &nr_meta, &nr_meta_free) &&
 			    nr_meta_free)
-				set_pool_mode(pool, PM_WRITE);
+				switch_pool_mode(pool, PM_OUT_OF_METADATA_SPACE, PM_WRITE);
 		}
 	}
 	return 0;
@@ -2527,9 +2581,14 @@ static void thin_presuspend(struct dm_target *ti)
 	if (!dm_noflush_suspending(ti))
 		return;
 
-	/* Hand queued out-of-space bios of this device back to dm core. */
+	/*
+	 * Hand queued out-of-space bios of this device back to dm core, and
+	 * those that run out of space until the suspend is done (still
+	 * deferred or waiting for a job now).
+	 */
 	bio_list_init(&keep);
 	spin_lock_irq(&pool->lock);
+	tc->requeue_no_space = true;
 	bios = pool->retry_list;
 	bio_list_init(&pool->retry_list);
 	while ((bio = bio_list_pop(&bios))) {
@@ -2554,11 +2613,25 @@ static int thin_preresume(struct dm_target *ti)
 	return 0;
 }
 
+static void stop_requeueing(struct thin_c *tc)
+{
+	spin_lock_irq(&tc->pool->lock);
+	tc->requeue_no_space = false;
+	spin_unlock_irq(&tc->pool->lock);
+}
+
+/* The suspend failed after thin_presuspend(): queue out-of-space IO again. */
+static void thin_presuspend_undo(struct dm_target *ti)
+{
+	stop_requeueing(ti->private);
+}
+
 static void thin_postsuspend(struct dm_target *ti)
 {
 	struct thin_c *tc = ti->private;
 
 	flush_workqueue(tc->pool->wq);
+	stop_requeueing(tc);
 }
 
 static void thin_status(struct dm_target *ti, status_type_t type,
@@ -2643,6 +2716,7 @@ static struct target_type thin_target = {
 	.map = thin_map,
 	.end_io = thin_endio,
 	.presuspend = thin_presuspend,
+	.presuspend_undo = thin_presuspend_undo,
 	.postsuspend = thin_postsuspend,
 	.preresume = thin_preresume,
 	.status = thin_status,

@@ -606,6 +606,42 @@ wait_gone() {
 	! kill -0 "$1" 2>/dev/null
 }
 
+# Out of space while the pool is suspended (its thin devices are not):
+# the timeout armed then runs again from the resume, and still errors
+# the write.  From test_no_space: a full pool in queue mode with
+# no_space_timeout 2, tss-thin1 mapped from 8 MiB on.  Not for stock
+# dm-thin, which suspends a pool's thin devices with it: there the write
+# waits in dm core.
+no_space_while_suspended() {
+	local pid
+	blkdiscard -o 8M -l 4M /dev/mapper/tss-thin1 || fail "discarding 4 MiB failed"
+	for _ in $(seq 50); do
+		[ "$(dm_status tss-pool | cut -d' ' -f5)" = rw ] && break
+		sleep 0.1
+	done
+	assert_eq rw "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after a discard freed 4 MiB"
+	dmsetup suspend tss-pool || fail "suspending the pool failed"
+	dd if=a of=/dev/mapper/tss-thin1 bs=1M seek=48 count=8 oflag=direct status=none 2>dd.err &
+	pid=$!
+	for _ in $(seq 200); do
+		[ "$(dm_status tss-pool | cut -d' ' -f5)" = out_of_data_space ] && break
+		sleep 0.1
+	done
+	assert_eq out_of_data_space "$(dm_status tss-pool | cut -d' ' -f5)" \
+		"mode of a suspended pool that ran out of space"
+	sleep 1
+	dmsetup resume tss-pool || fail "resuming the pool failed"
+	if ! wait_gone $pid 200; then
+		reload_pool 64 1 error_if_no_space
+		wait_gone $pid 200 || true
+		fail "out of space while suspended, a write was not errored within 20 s of the resume (no_space_timeout 2)"
+	fi
+	if wait $pid; then
+		fail "a write to a pool that ran out of space while suspended succeeded"
+	fi
+	log "out of space while suspended: $(cat dd.err)"
+}
+
 test_no_space() {
 	local t=/dev/mapper/tss-thin0 t0 dt old_timeout pid
 	need_targets
@@ -736,6 +772,8 @@ test_no_space() {
 	log "out of space again after the timeout: dd failed after ${dt}s: $(cat dd.err)"
 	awk -v d="$dt" 'BEGIN { exit !(d >= 1.5) }' ||
 		fail "out of space again after the timeout, the write failed after ${dt}s, not queued"
+
+	[ "$POOL_T" = thin-pool ] || no_space_while_suspended
 	dm_remove tss-thin1
 	dm_remove tss-thin0
 	teardown_pool
