@@ -433,34 +433,30 @@ static long epoch_sum(struct pool *pool, unsigned int idx)
 	return sum;
 }
 
-static void epoch_drain(struct pool *pool, unsigned int idx)
-{
-	while (epoch_sum(pool, idx))
-		schedule_timeout_uninterruptible(1);
-}
-
 /*
  * Wait for every IO that may use a mapping removed before now.  Such an
  * IO looked the mapping up and entered an epoch inside one RCU read-side
- * section that began before the removal: after synchronize_rcu() all of
- * them are counted.  Most in the current generation; but one that read
- * the generation before the previous flip, and was held up before it
- * counted itself, is in the other one, which that grace period may have
- * found drained already.  Any such IO began its section before this
- * synchronize_rcu() did, so it is counted by now and nothing enters the
- * other generation any more: drain it, then flip so that new IOs count
- * there, and drain the current one.  Callers hold commit_lock; sleeps.
+ * section that began before the removal: after the first
+ * synchronize_rcu() all of them are counted, in the current generation
+ * (the previous grace period saw the last of the other one).  Flip the
+ * generation, so that new IOs count in the other one.  An IO that read
+ * the generation before the flip may still be about to count itself in
+ * the old one: after the second synchronize_rcu() none is, so its
+ * counters only fall, and a sum of them that reads zero means all of its
+ * IO is done (with increments still arriving, one IO's increment missed
+ * on one CPU and its decrement seen on another could hide another IO).
+ * Callers hold commit_lock; sleeps.
  */
 static void epoch_wait_grace_period(struct pool *pool)
 {
-	unsigned int cur = pool->epoch_index & 1;
+	unsigned int old = pool->epoch_index & 1;
 
 	lockdep_assert_held(&pool->commit_lock);
 	synchronize_rcu();
-	epoch_drain(pool, cur ^ 1);
-	WRITE_ONCE(pool->epoch_index, cur ^ 1);
-	smp_mb();	/* read the counts after the flip is visible */
-	epoch_drain(pool, cur);
+	WRITE_ONCE(pool->epoch_index, old ^ 1);
+	synchronize_rcu();
+	while (epoch_sum(pool, old))
+		schedule_timeout_uninterruptible(1);
 }
 
 /* Send a remapped @bio, counted in the epoch. */
