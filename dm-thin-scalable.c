@@ -63,8 +63,9 @@
  *                      none lands between a commit's data device flush
  *                      and its metadata commit; freed_this_transaction;
  *                      metadata_low_water_triggered
- *   pool->lock         (irq-safe spinlock) pool->retry_list, and each
- *                      thin device's requeue_no_space
+ *   pool->lock         (irq-safe spinlock) pool->retry_list; the
+ *                      pool's list of thin targets and its suspended
+ *                      flag; each thin target's requeue_no_space
  *   worker->lock       (irq-safe spinlock) worker->completed_jobs
  *   worker->running    written by its work item only; read by those
  *                      adding to its lists, after a full barrier (see
@@ -91,8 +92,11 @@
 #include <linux/slab.h>
 #include <linux/sched.h>
 #include <linux/delay.h>
+#include <linux/refcount.h>
+#include <linux/completion.h>
 #include <linux/version.h>
 
+#include "dm-core-private.h"
 #include "dm-thin-metadata.h"
 
 #define DM_MSG_PREFIX "thin-scalable"
@@ -104,9 +108,6 @@
 #define OPEN_READ FMODE_READ
 #define OPEN_READ_WRITE (FMODE_READ | FMODE_WRITE)
 #endif
-
-/* dm core's status flag for "status --noflush" (drivers/md/dm.h, private). */
-#define STATUS_NOFLUSH_FLAG (1 << 0)
 
 #define COMMIT_PERIOD HZ
 #define JOB_HASH_BITS 8
@@ -227,6 +228,12 @@ struct pool {
 
 	spinlock_t lock;
 	struct bio_list retry_list;		/* lock: out of space */
+	/*
+	 * The thin targets of this pool, suspended with it as dm-thin's
+	 * are.  Under lock; none is added while the pool is suspended.
+	 */
+	struct list_head thins;
+	bool suspended;				/* lock */
 };
 
 /*
@@ -270,6 +277,7 @@ struct pool_c {
 
 struct thin_c {
 	struct dm_target *ti;
+	struct mapped_device *thin_md;
 	struct pool *pool;
 	struct dm_dev *pool_dev;
 	tsp_thin_id dev_id;
@@ -289,6 +297,17 @@ struct thin_c {
 	 * Under pool->lock.
 	 */
 	bool requeue_no_space;
+
+	struct list_head list;		/* pool->thins */
+	/*
+	 * The pool's while on its list, and one more while the pool's
+	 * suspend or resume works on it; the destructor waits for the
+	 * last to go.
+	 */
+	refcount_t refcount;
+	struct completion can_destroy;
+	bool suspended_by_pool;		/* pool->lock */
+	struct list_head batch;		/* suspend_thins() */
 };
 
 /* Per bio, in the thin target's per-bio data. */
@@ -520,8 +539,8 @@ static void leave_no_space_mode(struct pool *pool)
 
 /*
  * Out of data space and queueing IO: error it after no_space_timeout_secs
- * from now (unless the timeout is 0).  A timer still pending, armed while
- * the pool was suspended, is moved to the new deadline.
+ * from now (unless the timeout is 0); a timer still pending is moved to
+ * the new deadline.
  */
 static void arm_no_space_timeout(struct pool *pool)
 {
@@ -1687,6 +1706,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	mutex_init(&pool->commit_lock);
 	mutex_init(&pool->mode_lock);
 	bio_list_init(&pool->retry_list);
+	INIT_LIST_HEAD(&pool->thins);
 	INIT_DELAYED_WORK(&pool->waker, do_waker);
 	INIT_DELAYED_WORK(&pool->no_space_timeout, do_no_space_timeout);
 	atomic64_set(&pool->commits, 0);
@@ -2020,6 +2040,65 @@ static int resize_metadata(struct pool_c *pt)
 	return commit(pool);
 }
 
+static void thin_put(struct thin_c *tc)
+{
+	if (refcount_dec_and_test(&tc->refcount))
+		complete(&tc->can_destroy);
+}
+
+/*
+ * Suspend (@suspend) the md of every thin target of @pool, or resume
+ * those the pool suspended, outside pool->lock (both sleep), each held by
+ * a reference.  dm core counts the internal suspends of an md, which must
+ * balance: a target destroyed before the resume resumes its md itself
+ * (thin_dtr()).  The pool's suspend and resume are serialised by dm core,
+ * so @batch of a target is theirs alone.
+ */
+static void suspend_thins(struct pool *pool, bool suspend)
+{
+	struct thin_c *tc, *tmp;
+	LIST_HEAD(batch);
+
+	spin_lock_irq(&pool->lock);
+	pool->suspended = suspend;
+	list_for_each_entry(tc, &pool->thins, list) {
+		if (tc->suspended_by_pool == suspend)
+			continue;
+		tc->suspended_by_pool = suspend;
+		refcount_inc(&tc->refcount);
+		list_add_tail(&tc->batch, &batch);
+	}
+	spin_unlock_irq(&pool->lock);
+
+	list_for_each_entry_safe(tc, tmp, &batch, batch) {
+		if (suspend)
+			dm_internal_suspend_noflush(tc->thin_md);
+		else
+			dm_internal_resume(tc->thin_md);
+		list_del(&tc->batch);
+		thin_put(tc);
+	}
+}
+
+/*
+ * Suspend the pool's thin devices first, as dm-thin does: their IO in
+ * flight finishes (IO queued for data space goes back to dm core) and
+ * no more arrives until the pool resumes.
+ */
+static void pool_presuspend(struct dm_target *ti)
+{
+	struct pool_c *pt = ti->private;
+
+	suspend_thins(pt->pool, true);
+}
+
+static void pool_presuspend_undo(struct dm_target *ti)
+{
+	struct pool_c *pt = ti->private;
+
+	suspend_thins(pt->pool, false);
+}
+
 static int pool_preresume(struct dm_target *ti)
 {
 	struct pool_c *pt = ti->private;
@@ -2097,6 +2176,7 @@ static void pool_resume(struct dm_target *ti)
 	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE)
 		arm_no_space_timeout(pool);
 	mutex_unlock(&pool->mode_lock);
+	suspend_thins(pool, false);
 }
 
 static void pool_postsuspend(struct dm_target *ti)
@@ -2346,6 +2426,8 @@ static struct target_type pool_target = {
 	.ctr = pool_ctr,
 	.dtr = pool_dtr,
 	.map = pool_map,
+	.presuspend = pool_presuspend,
+	.presuspend_undo = pool_presuspend_undo,
 	.postsuspend = pool_postsuspend,
 	.preresume = pool_preresume,
 	.resume = pool_resume,
@@ -2361,6 +2443,18 @@ static struct target_type pool_target = {
 static void thin_dtr(struct dm_target *ti)
 {
 	struct thin_c *tc = ti->private;
+	struct pool *pool = tc->pool;
+	bool resume;
+
+	spin_lock_irq(&pool->lock);
+	list_del(&tc->list);
+	resume = tc->suspended_by_pool;
+	spin_unlock_irq(&pool->lock);
+	thin_put(tc);
+	wait_for_completion(&tc->can_destroy);
+	/* Suspended with the pool, and gone before it resumed: undo that. */
+	if (resume)
+		dm_internal_resume(tc->thin_md);
 
 	tsp_pool_close_thin_device(tc->td);
 	pool_put(tc->pool);
@@ -2413,7 +2507,10 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		return -ENOMEM;
 	}
 	tc->ti = ti;
+	tc->thin_md = dm_table_get_md(ti->table);
 	tc->dev_id = dev_id;
+	refcount_set(&tc->refcount, 1);
+	init_completion(&tc->can_destroy);
 
 	if (argc == 3) {
 		if (!strcmp(argv[0], argv[2])) {
@@ -2452,6 +2549,16 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		goto bad_pool;
 	}
 
+	spin_lock_irq(&tc->pool->lock);
+	if (tc->pool->suspended) {
+		spin_unlock_irq(&tc->pool->lock);
+		ti->error = "Unable to activate thin device while pool is suspended";
+		r = -EINVAL;
+		goto bad_td;
+	}
+	list_add_tail(&tc->list, &tc->pool->thins);
+	spin_unlock_irq(&tc->pool->lock);
+
 	ti->private = tc;
 	ti->num_flush_bios = 1;
 	ti->flush_supported = true;
@@ -2461,6 +2568,8 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	ti->num_discard_bios = 1;
 	return 0;
 
+bad_td:
+	tsp_pool_close_thin_device(tc->td);
 bad_pool:
 	pool_put(tc->pool);
 bad_pool_dev:
