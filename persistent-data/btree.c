@@ -472,6 +472,18 @@ static int split_child(struct tsp_btree_info *info, struct btree_node *parent,
  * Returns 0 when room was made, 1 when the sibling could not take part
  * (nothing changed), or a negative errno (@child is then unlocked).
  */
+/*
+ * Siblings must agree on kind, value size and capacity before entries
+ * move between them: corrupt metadata may put a leaf beside an internal
+ * node, and copying one's values into the other would overrun it.
+ */
+static bool same_shape(struct btree_node *a, struct btree_node *b)
+{
+	return a->header.flags == b->header.flags &&
+	       value_size(a) == value_size(b) &&
+	       max_entries(a) == max_entries(b);
+}
+
 static int share_with_sibling(struct tsp_btree_info *info, struct btree_node *n,
 			      u32 i, u32 s, u64 key, struct tsp_block **child)
 {
@@ -492,7 +504,7 @@ static int share_with_sibling(struct tsp_btree_info *info, struct btree_node *n,
 		return r;
 	}
 	nr_sib = nr_entries(node_of(sib));
-	r = max_entries(node_of(sib)) != max || nr_sib < max / 3 ||
+	r = !same_shape(node_of(sib), c) || nr_sib < max / 3 ||
 	    nr_sib + SHARE_MIN_ROOM > max;
 	tsp_tm_unlock(info->tm, sib);
 	if (r)
@@ -666,7 +678,7 @@ static int rebalance_child(struct tsp_btree_info *info, struct btree_node *n,
 {
 	struct tsp_block *left, *right, *sibling;
 	struct btree_node *l, *rn;
-	u32 li, nl, nr, total, target;
+	u32 li, nl, nr, total;
 	int r;
 
 	if (nr_entries(n) < 2) {
@@ -692,7 +704,12 @@ static int rebalance_child(struct tsp_btree_info *info, struct btree_node *n,
 	nr = nr_entries(rn);
 	total = nl + nr;
 
-	if (total <= max_entries(l)) {
+	if (!same_shape(l, rn)) {
+		DMERR("btree nodes %llu and %llu are siblings of different shapes",
+		      (unsigned long long)tsp_block_location(left),
+		      (unsigned long long)tsp_block_location(right));
+		r = -EILSEQ;
+	} else if (total <= max_entries(l)) {
 		/* Merge: the right node's references move to the left one. */
 		copy_entries(l, nl, rn, 0, nr);
 		set_nr_entries(l, total);
@@ -700,16 +717,9 @@ static int rebalance_child(struct tsp_btree_info *info, struct btree_node *n,
 		tsp_tm_unlock(info->tm, left);
 		tsp_tm_unlock(info->tm, right);
 		return tsp_tm_dec(info->tm, tsp_block_location(right));
-	}
-
-	target = total / 2;
-	if (target > max_entries(l) || total - target > max_entries(rn)) {
-		DMERR("btree nodes %llu and %llu have mismatched sizes",
-		      (unsigned long long)tsp_block_location(left),
-		      (unsigned long long)tsp_block_location(right));
-		r = -EILSEQ;
 	} else {
-		redistribute(n, li, l, rn, target);
+		/* Both at most full, so half of them fits in either. */
+		redistribute(n, li, l, rn, total / 2);
 	}
 
 	tsp_tm_unlock(info->tm, left);
@@ -832,6 +842,12 @@ int tsp_btree_remove_range(struct tsp_btree_info *info, tsp_block_t root,
 		if (r)
 			break;
 		r = tsp_btree_remove(info, *new_root, key, new_root);
+		if (r == -ENODATA) {
+			/* Found by the lookup, not by the removal: corrupt. */
+			DMERR("btree rooted at %llu lost key %llu",
+			      (unsigned long long)*new_root, (unsigned long long)key);
+			r = -EILSEQ;
+		}
 		if (r)
 			break;
 		count++;
