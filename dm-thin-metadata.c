@@ -403,6 +403,10 @@ static int read_superblock(struct tsp_pool_metadata *pmd, u32 data_block_size)
 		   pmd->data_block_size % TSP_DATA_BLOCK_SIZE_MIN_SECTORS) {
 		DMERR("metadata has a bad data block size %u", pmd->data_block_size);
 		r = -EILSEQ;
+	} else if (le32_to_cpu(sb->time) >= (1u << TIME_BITS)) {
+		DMERR("metadata has a bad time %u: more than %u bits",
+		      le32_to_cpu(sb->time), TIME_BITS);
+		r = -EILSEQ;
 	} else if (data_block_size && data_block_size != pmd->data_block_size) {
 		DMERR("data block size %u does not match %u in the metadata",
 		      data_block_size, pmd->data_block_size);
@@ -675,6 +679,11 @@ static int __abort(struct tsp_pool_metadata *pmd)
 	pmd->tm = NULL;
 	pmd->data_sm = NULL;
 	__fail_io(pmd);
+	/*
+	 * From the disk: after a failed commit the cache may still hold the
+	 * superblock whose write failed, of the transaction dropped here.
+	 */
+	tsp_bm_forget(pmd->bm, THIN_SUPERBLOCK_LOCATION);
 	r = read_superblock(pmd, pmd->data_block_size);
 	if (r) {
 		/* Stay failed, on the old objects, so getters still work. */
@@ -1809,7 +1818,13 @@ int tsp_pool_metadata_set_needs_check(struct tsp_pool_metadata *pmd)
 
 	down_write(&pmd->root_lock);
 	pmd->flags |= THIN_NEEDS_CHECK_FLAG;
-	r = (pmd->fail_io || pmd->read_only) ? -EPERM : __commit_transaction(pmd);
+	if (pmd->fail_io || pmd->read_only) {
+		r = -EPERM;
+	} else {
+		r = __commit_transaction(pmd);
+		if (r)
+			__fail_io(pmd);	/* as tsp_pool_commit_metadata() */
+	}
 	up_write(&pmd->root_lock);
 	return r;
 }

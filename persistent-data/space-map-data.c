@@ -372,13 +372,18 @@ tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm)
 	return sm->nr_blocks - sm->nr_allocated;
 }
 
+/*
+ * Every block number the space map is given comes from the metadata (a
+ * mapping) or from its own allocator: one past the end is corruption,
+ * and an error that fails the transaction.
+ */
 static int check_block(struct tsp_data_sm *sm, tsp_block_t b)
 {
 	if (b < sm->nr_blocks)
 		return 0;
 	DMERR("data block %llu is beyond the end of the data device (%llu blocks)",
 	      (unsigned long long)b, (unsigned long long)sm->nr_blocks);
-	return -EINVAL;
+	return -EILSEQ;
 }
 
 /* The 2-bit entry of @b in the bitmap at @loc. */

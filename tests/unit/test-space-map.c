@@ -456,12 +456,12 @@ static void test_model(void)
 	pick_hot(c, hot);
 
 	/* Errors: beyond the end, and dec of a free block. */
-	CHECK_R(tsp_data_sm_inc(c->sm, nr), -EINVAL);
-	CHECK_R(tsp_data_sm_dec(c->sm, nr + 12345), -EINVAL);
+	CHECK_R(tsp_data_sm_inc(c->sm, nr), -EILSEQ);
+	CHECK_R(tsp_data_sm_dec(c->sm, nr + 12345), -EILSEQ);
 	{
 		u32 count;
 
-		CHECK_R(tsp_data_sm_get_count(c->sm, nr, &count), -EINVAL);
+		CHECK_R(tsp_data_sm_get_count(c->sm, nr, &count), -EILSEQ);
 	}
 	r = tsp_data_sm_dec(c->sm, 17);
 	if (r != -EINVAL && r != -EILSEQ)
