@@ -670,10 +670,6 @@ static int get_metadata_space(struct pool *pool, tsp_block_t *nr_blocks,
 }
 
 /*
- * Send the metadata low water event once; switch to out-of-metadata-space
- * mode when only the reserve is left.  Caller holds commit_lock.
- */
-/*
  * Stop changing metadata, unless the pool did already: a switch back from
  * read-only or fail mode would make metadata that failed writable again.
  */
@@ -687,6 +683,10 @@ static void enter_no_metadata_space_mode(struct pool *pool, const char *why)
 	mutex_unlock(&pool->mode_lock);
 }
 
+/*
+ * Send the metadata low water event once; switch to out-of-metadata-space
+ * mode when only the reserve is left.  Caller holds commit_lock.
+ */
 static void check_metadata_space(struct pool *pool)
 {
 	tsp_block_t nr_blocks, nr_free;

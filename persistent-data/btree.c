@@ -451,6 +451,18 @@ static int split_child(struct tsp_btree_info *info, struct btree_node *parent,
 /* Free entries a sibling needs before a full child hands it some. */
 #define SHARE_MIN_ROOM 8
 
+/*
+ * Siblings must agree on kind, value size and capacity before entries
+ * move between them: corrupt metadata may put a leaf beside an internal
+ * node, and copying one's values into the other would overrun it.
+ */
+static bool same_shape(struct btree_node *a, struct btree_node *b)
+{
+	return a->header.flags == b->header.flags &&
+	       value_size(a) == value_size(b) &&
+	       max_entries(a) == max_entries(b);
+}
+
 /**
  * share_with_sibling - make room in a full child by moving entries to a sibling
  * @info: tree description
@@ -472,18 +484,6 @@ static int split_child(struct tsp_btree_info *info, struct btree_node *parent,
  * Returns 0 when room was made, 1 when the sibling could not take part
  * (nothing changed), or a negative errno (@child is then unlocked).
  */
-/*
- * Siblings must agree on kind, value size and capacity before entries
- * move between them: corrupt metadata may put a leaf beside an internal
- * node, and copying one's values into the other would overrun it.
- */
-static bool same_shape(struct btree_node *a, struct btree_node *b)
-{
-	return a->header.flags == b->header.flags &&
-	       value_size(a) == value_size(b) &&
-	       max_entries(a) == max_entries(b);
-}
-
 static int share_with_sibling(struct tsp_btree_info *info, struct btree_node *n,
 			      u32 i, u32 s, u64 key, struct tsp_block **child)
 {
