@@ -1761,14 +1761,15 @@ bad:
 
 /*
  * Find or create the pool of @pool_md.  As with dm-thin, a pool keeps its
- * metadata and data devices and its block size across table reloads, and
- * no two pools share a device.  Caller holds pool_table_mutex.
+ * metadata and data devices, its block size and its discard support
+ * across table reloads, and no two pools share a device.  Caller holds
+ * pool_table_mutex.
  */
 static struct pool *pool_find(struct mapped_device *pool_md,
 			      struct block_device *metadata_bdev,
 			      struct block_device *data_bdev,
 			      tsp_block_t nr_data_blocks, u32 sectors_per_block,
-			      bool format, char **error)
+			      const struct pool_features *pf, char **error)
 {
 	struct pool *pool;
 
@@ -1795,13 +1796,21 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 			*error = "cannot change the data block size of a pool";
 			return ERR_PTR(-EINVAL);
 		}
+		/* Thin targets took their discard support from the pool's. */
+		if (pool->pf.discard_enabled != pf->discard_enabled) {
+			*error = "cannot change the discard support of a pool";
+			return ERR_PTR(-EINVAL);
+		}
 		pool->ref_count++;
 		return pool;
 	}
+	/* A read-only pool never formats its metadata device. */
 	pool = pool_create(pool_md, metadata_bdev, nr_data_blocks,
-			   sectors_per_block, format, error);
-	if (!IS_ERR(pool))
+			   sectors_per_block, pf->mode != PM_READ_ONLY, error);
+	if (!IS_ERR(pool)) {
 		pool->data_devt = data_bdev->bd_dev;
+		pool->pf.discard_enabled = pf->discard_enabled;
+	}
 	return pool;
 }
 
@@ -1944,10 +1953,9 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		goto out_data;
 	}
 
-	/* A read-only pool never formats its metadata device. */
 	pool = pool_find(dm_table_get_md(ti->table), metadata_dev->bdev,
 			 data_dev->bdev, div_u64(ti->len, block_size), block_size,
-			 pf.mode != PM_READ_ONLY, &ti->error);
+			 &pf, &ti->error);
 	if (IS_ERR(pool)) {
 		r = PTR_ERR(pool);
 		goto out_free;
@@ -1968,8 +1976,15 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	ti->private = pt;
 	ti->num_flush_bios = 1;
 	ti->flush_supported = true;
-	ti->num_discard_bios = 1;
-	ti->discards_supported = true;
+	/*
+	 * Discards sent to the pool device itself go to the data device, if
+	 * passed down at all.  discards_supported keeps dm core from stacking
+	 * the data device's discard limits over the pool's (as dm-thin).
+	 */
+	if (pf.discard_enabled && pf.discard_passdown) {
+		ti->num_discard_bios = 1;
+		ti->discards_supported = true;
+	}
 	mutex_unlock(&pool_table_mutex);
 	return 0;
 
@@ -2563,9 +2578,11 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	ti->num_flush_bios = 1;
 	ti->flush_supported = true;
 	ti->per_io_data_size = sizeof(struct thin_bio);
-	/* ignore_discard is applied by the worker: tables may be reloaded. */
-	ti->discards_supported = true;
-	ti->num_discard_bios = 1;
+	/* A pool's discard support is fixed while it exists (pool_find()). */
+	if (tc->pool->pf.discard_enabled) {
+		ti->discards_supported = true;
+		ti->num_discard_bios = 1;
+	}
 	return 0;
 
 bad_td:

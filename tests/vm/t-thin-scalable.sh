@@ -309,6 +309,42 @@ test_discard() {
 	teardown_pool
 }
 
+discard_max_bytes() { # <dm device>
+	cat "/sys/dev/block/$(devno "$1")/queue/discard_max_bytes"
+}
+
+# With ignore_discard neither the pool nor its thin devices take discards
+# (as dm-thin's), and no reload changes a pool's discard support: its thin
+# targets took theirs from it.
+test_ignore_discard() {
+	local t=/dev/mapper/tss-thin0
+	local table="0 $((64 * 2048)) $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER"
+	need_targets
+	make_pool 64 1 ignore_discard
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	assert_eq 0 "$(discard_max_bytes $t)" "thin discard_max_bytes with ignore_discard"
+	assert_eq 0 "$(discard_max_bytes /dev/mapper/tss-pool)" "pool discard_max_bytes with ignore_discard"
+	head -c 1M /dev/urandom >a
+	write_file a $t 0
+	expect_fail blkdiscard -o 0 -l 1M $t
+	assert_eq 16 "$(pool_used tss-pool)" "blocks after a refused discard"
+	expect_fail dmsetup reload tss-pool --table "$table 0"
+	dm_remove tss-thin0
+	dm_remove tss-pool
+	check_meta
+
+	dm_create tss-pool "$table 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	[ "$(discard_max_bytes $t)" -gt 0 ] || fail "thin device without discards"
+	expect_fail dmsetup reload tss-pool --table "$table 1 ignore_discard"
+	assert_eq "$(file_sha a)" "$(dev_sha $t 0 1)" "data written before"
+	blkdiscard -o 0 -l 1M $t
+	assert_eq 0 "$(pool_used tss-pool)" "blocks after the discard"
+	dm_remove tss-thin0
+	teardown_pool
+}
+
 # Isolation: blocks discarded from one device and provisioned again for
 # another read as zeroes there. A full 256-block pool forces the reuse; no
 # discard passdown, so the old data is still on the data device.
@@ -949,6 +985,7 @@ run_test thin_scalable_basic test_basic
 run_test thin_scalable_snapshots test_snapshots
 run_test thin_scalable_external_origin test_external_origin
 run_test thin_scalable_discard test_discard
+run_test thin_scalable_ignore_discard test_ignore_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_zeroing_offload test_zeroing_offload
 run_test thin_scalable_data_write_error test_data_write_error
