@@ -292,7 +292,30 @@ test_dropin_ours_first() {
 	dm_remove tss-meta
 }
 
+# A live thin-pool table is not replaced by thin-scal-pool: the new pool
+# would read metadata that the live one is still changing.
+test_live_stock_pool_kept() {
+	need_targets
+	ours || skip "the pool target is the stock one"
+	setup_devs
+	pool_up thin-pool 0
+	dm_message tss-pool "create_thin 0"
+	thin_up thin 0
+	head -c 4M /dev/urandom >p0
+	write_file p0 /dev/mapper/tss-t0 0
+	expect_fail dmsetup reload tss-pool --table \
+		"0 1048576 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	dmesg_since_test | grep -q "another target's table is live" ||
+		fail "no error in the kernel log for the refused reload"
+	assert_eq thin-pool "$(dmsetup table tss-pool | cut -d' ' -f3)" "pool target"
+	assert_eq "$(file_sha p0)" "$(dev_sha /dev/mapper/tss-t0 0 4)" "thin device content"
+	down 0
+	dm_remove tss-data
+	dm_remove tss-meta
+}
+
 run_test thin_scalable_dropin_both_ways test_dropin_both_ways
 run_test thin_scalable_dropin_ours_first test_dropin_ours_first
 run_test thin_scalable_table_status_lines test_table_status_lines
+run_test thin_scalable_live_stock_pool_kept test_live_stock_pool_kept
 summary
