@@ -18,6 +18,10 @@
 #   make tsan             tools and unit tests under ThreadSanitizer
 #   make vm-helpers       build/dm-status (tests/vm/dm-status.c, for the
 #                         VM tests: status lines through libdevmapper)
+#                         and make lvm2
+#   make lvm2             scripts/build-lvm2: Debian's lvm2 with
+#                         lvm2/*.patch, build/lvm2/src/tools/lvm (for
+#                         the VM tests; fetches the source once)
 #   make deps             scripts/install-deps: the Debian packages, if
 #                         any is missing (check, bench and fuzz run it)
 #   make check            module, tools, unit tests and vm-helpers, then
@@ -56,7 +60,7 @@ KERNELS ?= 6.1 6.12
 # What a build/kmod-<kver>/ copy needs: kbuild's input and kernel sources.
 KMOD_SOURCES = Kbuild $(wildcard *.c *.h persistent-data/*.c persistent-data/*.h)
 
-.PHONY: all deps module modules sparse kernels tools unit tsan vm-helpers check \
+.PHONY: all deps module modules sparse kernels tools unit tsan vm-helpers lvm2 check \
 	check-6.12 fuzz bench-meta bench clean FORCE
 
 all: module
@@ -154,7 +158,12 @@ build/dm-status: tests/vm/dm-status.c
 	@mkdir -p $(@D)
 	$(UCC) $(filter-out -MMD -MP,$(UCFLAGS)) $(opt_CFLAGS) -o $@ $< -ldevmapper
 
-vm-helpers: $(VM_HELPERS)
+# lvm with our patches, for tests/vm/t-lvm2.sh; the script rebuilds it
+# only when lvm2/*.patch or the script change.
+lvm2:
+	scripts/build-lvm2
+
+vm-helpers: $(VM_HELPERS) lvm2
 
 # --- tests ----------------------------------------------------------------
 

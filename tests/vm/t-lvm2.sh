@@ -1,0 +1,158 @@
+#!/bin/bash
+# lvm2 with our patch (lvm2/*.patch, built by scripts/build-lvm2) runs
+# LVM thin pools on our targets: with activation/thin_scalable = 1 a pool,
+# a thin LV and a thin snapshot are created and loaded as thin-scal-pool
+# and thin-scalable; lvs reads their usage from our status lines; a pool
+# resize and a snapshot removal go through; the pool moves to the stock
+# thin-pool and back by deactivating it and changing the setting, with the
+# same bytes; and a reload that would swap the target of an active pool
+# fails without harm.  lvm runs thin_check at every pool activation, and
+# the test runs it again on the deactivated pool's metadata.
+# shellcheck source=tests/vm/lib.sh
+. "$(dirname "$0")/lib.sh"
+# shellcheck source=tests/vm/t-thin-scalable-common.sh
+. "$(dirname "$0")/t-thin-scalable-common.sh"
+
+LVM_BIN=$(cd "$TSP_LIBDIR/../.." && pwd)/build/lvm2/src/tools/lvm
+VG=tsslvm
+
+need_lvm() {
+	[ -x "$LVM_BIN" ] ||
+		fail "$LVM_BIN is missing: run 'make lvm2' (make check builds it)"
+}
+
+lvm() {
+	LVM_SUPPRESS_FD_WARNINGS=1 "$LVM_BIN" "$@"
+}
+
+# lvm_config <thin_scalable>: an lvm.conf of our own, in the test's
+# directory: only /dev/ram0, no udev, no daemons, no backups.
+lvm_config() {
+	export LVM_SYSTEM_DIR=$PWD/lvm
+	mkdir -p "$LVM_SYSTEM_DIR/lock"
+	cat >"$LVM_SYSTEM_DIR/lvm.conf" <<-EOF
+	devices {
+		scan = [ "/dev" ]
+		filter = [ "a|^/dev/ram0\$|", "r|.*|" ]
+		use_devicesfile = 0
+		obtain_device_list_from_udev = 0
+		external_device_info_source = "none"
+		hints = "none"
+	}
+	global {
+		locking_dir = "$LVM_SYSTEM_DIR/lock"
+		thin_check_executable = "$(command -v thin_check)"
+		event_activation = 0
+	}
+	activation {
+		udev_sync = 0
+		udev_rules = 0
+		monitoring = 0
+		thin_scalable = $1
+	}
+	backup {
+		backup = 0
+		archive = 0
+	}
+	EOF
+}
+
+target_of() {
+	dmsetup table "$1" | cut -d' ' -f3
+}
+
+lv_field() { # <lv> <field>
+	lvm lvs --noheadings --nosuffix --units m -o "$2" "$VG/$1" | tr -d ' '
+}
+
+# The pool's and thin1's data usage as lvs reports them.
+assert_usage() { # <pool data%> <thin1 data%> <what>
+	assert_eq "$1" "$(lv_field pool data_percent)" "pool data% $3"
+	assert_eq "$2" "$(lv_field thin1 data_percent)" "thin1 data% $3"
+}
+
+# thin_check the metadata of the inactive pool, activated read-only as a
+# component LV.
+check_pool_metadata() {
+	lvm lvchange -q -ay -y "$VG/pool_tmeta"
+	check_meta "/dev/mapper/$VG-pool_tmeta"
+	lvm lvchange -q -an "$VG/pool_tmeta"
+}
+
+test_lvm2_thin_scalable() {
+	local scalable=0 sha1
+	need_targets
+	need_lvm
+	if ours; then
+		scalable=1
+	fi
+	brd_setup 1 256
+	lvm_config $scalable
+
+	lvm pvcreate -q /dev/ram0
+	lvm vgcreate -q "$VG" /dev/ram0
+	# 64 MiB of 64 KiB blocks: 1024
+	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k --zero y -n pool "$VG"
+	lvm lvcreate -q -V 128m -T "$VG/pool" -n thin1
+	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target"
+	assert_eq "$THIN_T" "$(target_of "$VG-thin1")" "thin LV target"
+	log "pool: $(dmsetup table "$VG-pool-tpool")"
+
+	head -c 16M /dev/urandom >p0
+	write_file p0 "/dev/mapper/$VG-thin1" 0
+	assert_usage 25.00 12.50 "after 16 MiB"
+
+	lvm lvcreate -q -s -n snap1 "$VG/thin1"
+	lvm lvchange -q -ay -K "$VG/snap1"
+	assert_eq "$THIN_T" "$(target_of "$VG-snap1")" "snapshot target"
+	head -c 1M /dev/urandom >p1
+	write_file p1 "/dev/mapper/$VG-thin1" 0
+	assert_eq "$(file_sha p0)" "$(dev_sha "/dev/mapper/$VG-snap1" 0 16)" "snapshot content"
+	assert_eq "$(file_sha p1)" "$(dev_sha "/dev/mapper/$VG-thin1" 0 1)" "origin content"
+	# 256 + 16 blocks broken out of the snapshot
+	assert_usage 26.56 12.50 "after breaking sharing"
+
+	lvm lvextend -q -L +32m "$VG/pool"
+	assert_eq $((96 * 2048)) "$(dmsetup table "$VG-pool-tpool" | cut -d' ' -f2)" "pool length after lvextend"
+	assert_usage 17.71 12.50 "after lvextend"
+	lvm lvremove -q -y "$VG/snap1"
+	assert_usage 16.67 12.50 "after removing the snapshot"
+	sha1=$(dev_sha "/dev/mapper/$VG-thin1" 0 16)
+	lvm vgchange -q -an "$VG"
+	check_pool_metadata
+
+	if ours; then
+		switch_targets "$sha1"
+	fi
+	lvm vgremove -q -ff "$VG"
+	lvm pvremove -q /dev/ram0
+}
+
+# The inactive pool of test_lvm2_thin_scalable on the stock targets, then
+# back on ours; thin1 reads <sha> throughout.
+switch_targets() {
+	local sha1=$1 other_pool=thin-pool
+
+	lvm_config 0
+	lvm vgchange -q -ay "$VG"
+	assert_eq "$other_pool" "$(target_of "$VG-pool-tpool")" "pool target with thin_scalable = 0"
+	assert_eq "$sha1" "$(dev_sha "/dev/mapper/$VG-thin1" 0 16)" "thin1 on the stock targets"
+
+	# Reloading the active stock pool as ours is refused, and harmless.
+	lvm_config 1
+	expect_fail lvm lvextend -q -L +16m "$VG/pool"
+	assert_eq "$other_pool" "$(target_of "$VG-pool-tpool")" "pool target after the refused reload"
+	assert_usage 16.67 12.50 "read by lvm set for thin-scalable"
+	lvm_config 0
+	lvm vgchange -q -an "$VG"
+
+	lvm_config 1
+	lvm vgchange -q -ay "$VG"
+	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target back on ours"
+	assert_eq "$sha1" "$(dev_sha "/dev/mapper/$VG-thin1" 0 16)" "thin1 back on our targets"
+	lvm vgchange -q -an "$VG"
+	check_pool_metadata
+}
+
+run_test lvm2_thin_scalable test_lvm2_thin_scalable
+summary
