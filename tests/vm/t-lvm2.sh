@@ -8,12 +8,20 @@
 # same bytes; and a reload that would swap the target of an active pool
 # fails without harm.  lvm runs thin_check at every pool activation, and
 # the test runs it again on the deactivated pool's metadata.
+#
+# And dmeventd, built with the patch, monitors a pool on our targets and
+# extends it once its data usage passes thin_pool_autoextend_threshold.
 # shellcheck source=tests/vm/lib.sh
 . "$(dirname "$0")/lib.sh"
 # shellcheck source=tests/vm/t-thin-scalable-common.sh
 . "$(dirname "$0")/t-thin-scalable-common.sh"
 
-LVM_BIN=$(cd "$TSP_LIBDIR/../.." && pwd)/build/lvm2/src/tools/lvm
+LVM_BUILD=$(cd "$TSP_LIBDIR/../.." && pwd)/build/lvm2/src
+LVM_BIN=$LVM_BUILD/tools/lvm
+DMEVENTD_BIN=$LVM_BUILD/daemons/dmeventd/dmeventd
+# The build's shared libraries: libdevmapper, libdevmapper-event, the
+# dmeventd lvm2 plugin library and liblvm2cmd.
+LVM_LIBS=$LVM_BUILD/libdm/ioctl:$LVM_BUILD/daemons/dmeventd:$LVM_BUILD/daemons/dmeventd/plugins/lvm2:$LVM_BUILD/tools
 VG=tsslvm
 
 need_lvm() {
@@ -22,11 +30,12 @@ need_lvm() {
 }
 
 lvm() {
-	LVM_SUPPRESS_FD_WARNINGS=1 "$LVM_BIN" "$@"
+	LD_LIBRARY_PATH=$LVM_LIBS LVM_SUPPRESS_FD_WARNINGS=1 "$LVM_BIN" "$@"
 }
 
-# lvm_config <thin_scalable>: an lvm.conf of our own, in the test's
-# directory: only /dev/ram0, no udev, no daemons, no backups.
+# lvm_config <thin_scalable> [<monitoring>]: an lvm.conf of our own, in
+# the test's directory: only /dev/ram0, no udev, no backups, no daemons
+# but dmeventd (with monitoring 1), and autoextend by half at 70%.
 lvm_config() {
 	export LVM_SYSTEM_DIR=$PWD/lvm
 	mkdir -p "$LVM_SYSTEM_DIR/lock"
@@ -47,8 +56,14 @@ lvm_config() {
 	activation {
 		udev_sync = 0
 		udev_rules = 0
-		monitoring = 0
+		monitoring = ${2:-0}
 		thin_scalable = $1
+		thin_pool_autoextend_threshold = 70
+		thin_pool_autoextend_percent = 50
+	}
+	dmeventd {
+		executable = "$DMEVENTD_BIN"
+		thin_library = "$LVM_BUILD/daemons/dmeventd/plugins/thin/libdevmapper-event-lvm2thin.so"
 	}
 	backup {
 		backup = 0
@@ -154,5 +169,67 @@ switch_targets() {
 	check_pool_metadata
 }
 
+# dmeventd in the foreground, in the background: lvm registers the
+# pools it activates with it.
+start_dmeventd() {
+	LD_LIBRARY_PATH=$LVM_LIBS "$DMEVENTD_BIN" -f -l -d >dmeventd.log 2>&1 &
+	DMEVENTD_PID=$!
+	# Not left running by a failed test (each runs in a subshell).
+	trap 'kill "$DMEVENTD_PID" 2>/dev/null || true' EXIT
+	local i
+	for i in $(seq 50); do
+		[ -p /run/dmeventd-server ] && return 0
+		sleep 0.2
+	done
+	cat dmeventd.log
+	fail "dmeventd did not start"
+}
+
+stop_dmeventd() {
+	kill "$DMEVENTD_PID"
+	wait "$DMEVENTD_PID" || true
+}
+
+test_lvm2_autoextend() {
+	local scalable=0 i size
+	need_targets
+	need_lvm
+	if ours; then
+		scalable=1
+	fi
+	brd_setup 1 256
+	lvm_config $scalable 1
+	start_dmeventd
+
+	lvm pvcreate -q /dev/ram0
+	lvm vgcreate -q "$VG" /dev/ram0
+	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k -n pool "$VG"
+	lvm lvcreate -q -V 128m -T "$VG/pool" -n thin1
+	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target"
+	assert_eq monitored "$(lv_field pool seg_monitor)" "pool monitoring"
+
+	# 52 MiB of 64: 81%, past the threshold.  The pool's low water event
+	# (at 70%) wakes dmeventd, which runs lvextend --use-policies: 96 MiB.
+	head -c 52M /dev/urandom >p0
+	write_file p0 "/dev/mapper/$VG-thin1" 0
+	for i in $(seq 120); do
+		size=$(lv_field pool lv_size)
+		[ "$size" = 64.00 ] || break
+		sleep 0.5
+	done
+	[ "$size" != 64.00 ] || { cat dmeventd.log; fail "dmeventd did not extend the pool"; }
+	assert_eq 96.00 "$size" "pool size after autoextend"
+	assert_eq $((96 * 2048)) "$(dmsetup table "$VG-pool-tpool" | cut -d' ' -f2)" "pool length after autoextend"
+	assert_eq 54.17 "$(lv_field pool data_percent)" "pool data% after autoextend"
+	assert_eq "$(file_sha p0)" "$(dev_sha "/dev/mapper/$VG-thin1" 0 52)" "thin1 content"
+
+	lvm vgchange -q -an "$VG"
+	stop_dmeventd
+	check_pool_metadata
+	lvm vgremove -q -ff "$VG"
+	lvm pvremove -q /dev/ram0
+}
+
 run_test lvm2_thin_scalable test_lvm2_thin_scalable
+run_test lvm2_autoextend test_lvm2_autoextend
 summary
