@@ -1405,6 +1405,76 @@ static void test_enospc(void)
 	printf("ok   %s\n", phase);
 }
 
+/* Block number of child @i of internal node @b. */
+static tsp_block_t node_child(struct ctx *c, tsp_block_t b, u32 i)
+{
+	struct tsp_block *blk;
+	__le32 max;
+	__le64 child;
+	u8 *n;
+
+	CHECK_R(tsp_tm_read_lock(c->tm, b, &tsp_btree_node_validator, &blk), 0);
+	n = tsp_block_data(blk);
+	memcpy(&max, n + 20, 4);
+	memcpy(&child, n + 32 + 8 * (size_t)le32_to_cpu(max) + 8 * (size_t)i, 8);
+	tsp_tm_unlock(c->tm, blk);
+	return le64_to_cpu(child);
+}
+
+/*
+ * Corrupt metadata whose checksums are intact: a leaf whose sibling is
+ * not shaped like it, an internal node (flags) or a leaf of half the
+ * capacity.  Removals from the leaf that merge it with, or refill it from,
+ * that sibling fail with -EILSEQ, without reading or writing past either
+ * node (ASan).
+ */
+static void test_mixed_siblings(void)
+{
+	static const char * const names[] = { "flags", "capacity" };
+	struct tsp_block *blk;
+	unsigned int kind;
+	__le32 *hdr;
+	int r;
+	u32 k;
+
+	phase = "siblings of different shapes";
+	key_stride = 1;
+	for (kind = 0; kind < ARRAY_SIZE(names); kind++) {
+		struct ctx *c = ctx_create(256, 8, false);
+		struct tree *t = c->t;
+
+		new_tree(c, &t[0]);
+		/* Sequential: leaves packed full, 252 entries each. */
+		for (k = 0; k < 600; k++)
+			CHECK_R(op_insert(c, &t[0], k, k % NV), 0);
+		commit(c);
+		CHECK(tree_depth(c, t[0].root) == 2);
+
+		/* Header: csum, flags, blocknr, nr_entries, max_entries, value_size. */
+		CHECK_R(tsp_bm_write_lock(c->bm, node_child(c, t[0].root, 1),
+					  &tsp_btree_node_validator, &blk), 0);
+		hdr = tsp_block_data(blk);
+		if (kind == 0) {
+			hdr[1] = cpu_to_le32(1);	/* INTERNAL_NODE */
+		} else {
+			/* max_entries 126 and its first 126 entries */
+			hdr[4] = cpu_to_le32(126);
+			hdr[5] = cpu_to_le32(126);
+			memmove((u8 *)hdr + 32 + 8 * 126, (u8 *)hdr + 32 + 8 * 252, 8 * 126);
+		}
+		tsp_bm_unlock(blk);
+
+		r = 0;
+		for (k = 0; k < 252 && !r; k++)
+			r = op_remove(c, &t[0], k);
+		if (r != -EILSEQ)
+			fail(__FILE__, __LINE__, "%s: removal %u returned %d, not -EILSEQ",
+			     names[kind], k, r);
+		ctx_destroy(c);
+	}
+	printf("ok   %s\n", phase);
+}
+
 /* Copy of the committed superblock block, to roll a later commit back. */
 static void save_superblock(struct ctx *c, u8 *copy)
 {
@@ -1546,6 +1616,7 @@ int main(int argc, char **argv)
 	test_callback_failures();
 	test_io_failures();
 	test_enospc();
+	test_mixed_siblings();
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		for (o = SEQUENTIAL; o <= RANDOM; o++)
 			test_density(&vts[v], o);
