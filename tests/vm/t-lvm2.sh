@@ -9,6 +9,10 @@
 # fails without harm.  lvm runs thin_check at every pool activation, and
 # the test runs it again on the deactivated pool's metadata.
 #
+# lvm2's other thin operations on our targets: metadata resize,
+# error-when-full and discard settings by reload, snapshot merge,
+# metadata repair, a thin LV with an external origin.
+#
 # And dmeventd, built with the patch, monitors a pool on our targets and
 # extends it once its data usage passes thin_pool_autoextend_threshold.
 # shellcheck source=tests/vm/lib.sh
@@ -51,6 +55,7 @@ lvm_config() {
 	global {
 		locking_dir = "$LVM_SYSTEM_DIR/lock"
 		thin_check_executable = "$(command -v thin_check)"
+		thin_repair_executable = "$(command -v thin_repair)"
 		event_activation = 0
 	}
 	activation {
@@ -169,6 +174,90 @@ switch_targets() {
 	check_pool_metadata
 }
 
+# The pool's table line and status.
+pool_table() {
+	dmsetup table "$VG-pool-tpool"
+}
+
+pool_status() {
+	dmsetup status "$VG-pool-tpool"
+}
+
+test_lvm2_operations() {
+	local scalable=0 meta_before
+	need_targets
+	need_lvm
+	if ours; then
+		scalable=1
+	fi
+	brd_setup 1 256
+	lvm_config $scalable
+
+	lvm pvcreate -q /dev/ram0
+	lvm vgcreate -q "$VG" /dev/ram0
+	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k -n pool "$VG"
+	lvm lvcreate -q -V 64m -T "$VG/pool" -n thin1
+	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target"
+	head -c 8M /dev/urandom >p0
+	write_file p0 "/dev/mapper/$VG-thin1" 0
+
+	# Metadata resize: the pool's status counts the new blocks.
+	meta_before=$(lv_field pool lv_metadata_size | cut -d. -f1)
+	lvm lvextend -q --poolmetadatasize +4m "$VG/pool"
+	assert_eq $(((meta_before + 4) * 256)) "$(pool_status | cut -d' ' -f5 | cut -d/ -f2)" \
+		"metadata blocks after lvextend --poolmetadatasize"
+
+	# Features by reload.
+	lvm lvchange -q --errorwhenfull y "$VG/pool"
+	pool_table | grep -qw error_if_no_space || fail "no error_if_no_space: $(pool_table)"
+	pool_status | grep -qw error_if_no_space || fail "status: $(pool_status)"
+	lvm lvchange -q --discards nopassdown "$VG/pool"
+	pool_table | grep -qw no_discard_passdown || fail "no no_discard_passdown: $(pool_table)"
+	assert_eq "$(file_sha p0)" "$(dev_sha "/dev/mapper/$VG-thin1" 0 8)" "thin1 after the reloads"
+
+	# A snapshot written, then merged back into its origin.
+	lvm lvcreate -q -s -n snap1 "$VG/thin1"
+	lvm lvchange -q -ay -K "$VG/snap1"
+	head -c 2M /dev/urandom >p1
+	write_file p1 "/dev/mapper/$VG-snap1" 2
+	dd if=p1 of=p0 bs=1M seek=2 conv=notrunc status=none
+	lvm lvconvert -q --merge "$VG/snap1"
+	lvm lvchange -q -an "$VG/thin1"
+	lvm lvchange -q -ay "$VG/thin1"
+	dm_exists "$VG-snap1" && fail "snap1 still there after the merge"
+	assert_eq "$(file_sha p0)" "$(dev_sha "/dev/mapper/$VG-thin1" 0 8)" "thin1 after the merge"
+
+	# Repair: thin_repair into the spare metadata LV, swapped in.
+	lvm vgchange -q -an "$VG"
+	lvm lvconvert -q -y --repair "$VG/pool"
+	lvm vgchange -q -ay "$VG"
+	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target after the repair"
+	assert_eq "$(file_sha p0)" "$(dev_sha "/dev/mapper/$VG-thin1" 0 8)" "thin1 after the repair"
+	lvm lvremove -q -y "$VG/pool_meta0"
+
+	# A linear LV turned into a thin LV of the pool with it as a
+	# read-only external origin: writes go to the pool, the origin keeps
+	# its bytes.
+	lvm lvcreate -q -L 8m -n ext "$VG"
+	head -c 8M /dev/urandom >p2
+	write_file p2 "/dev/mapper/$VG-ext" 0
+	lvm lvconvert -q -y --type thin --thinpool "$VG/pool" --originname extorig "$VG/ext"
+	assert_eq "$THIN_T" "$(target_of "$VG-ext")" "target of the converted LV"
+	assert_eq 6 "$(dmsetup table "$VG-ext" | awk '{ print NF }')" "thin table words with an external origin"
+	assert_eq "$(file_sha p2)" "$(dev_sha "/dev/mapper/$VG-ext" 0 8)" "thin LV reading its external origin"
+	head -c 1M /dev/urandom >p3
+	write_file p3 "/dev/mapper/$VG-ext" 3
+	lvm lvchange -q -ay -K "$VG/extorig"
+	assert_eq "$(file_sha p2)" "$(dev_sha "/dev/mapper/$VG-extorig" 0 8)" "external origin after a write"
+	dd if=p3 of=p2 bs=1M seek=3 conv=notrunc status=none
+	assert_eq "$(file_sha p2)" "$(dev_sha "/dev/mapper/$VG-ext" 0 8)" "thin LV after a write"
+
+	lvm vgchange -q -an "$VG"
+	check_pool_metadata
+	lvm vgremove -q -ff "$VG"
+	lvm pvremove -q /dev/ram0
+}
+
 # dmeventd in the foreground, in the background: lvm registers the
 # pools it activates with it.
 start_dmeventd() {
@@ -231,5 +320,6 @@ test_lvm2_autoextend() {
 }
 
 run_test lvm2_thin_scalable test_lvm2_thin_scalable
+run_test lvm2_operations test_lvm2_operations
 run_test lvm2_autoextend test_lvm2_autoextend
 summary
