@@ -1760,24 +1760,10 @@ bad:
 }
 
 /*
- * Whether @md has a live table: binding one sets the disk's capacity to
- * its size, never 0 (dm_get_live_table() is not exported to modules).
- */
-static bool md_is_live(struct mapped_device *md)
-{
-	return get_capacity(dm_disk(md)) != 0;
-}
-
-/*
  * Find or create the pool of @pool_md.  As with dm-thin, a pool keeps its
  * metadata and data devices, its block size and its discard support
  * across table reloads, and no two pools share a device.  Caller holds
  * pool_table_mutex.
- *
- * A live table of @pool_md without a pool of ours is another target's,
- * e.g. dm-thin's thin-pool on the same metadata: a second in-core pool
- * would read metadata that the live one is still changing, and once
- * resumed write back stale roots.  The device must be deactivated first.
  */
 static struct pool *pool_find(struct mapped_device *pool_md,
 			      struct block_device *metadata_bdev,
@@ -1817,10 +1803,6 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 		}
 		pool->ref_count++;
 		return pool;
-	}
-	if (md_is_live(pool_md)) {
-		*error = "another target's table is live: deactivate it first";
-		return ERR_PTR(-EBUSY);
 	}
 	/* A read-only pool never formats its metadata device. */
 	pool = pool_create(pool_md, metadata_bdev, nr_data_blocks,
@@ -2900,6 +2882,5 @@ module_exit(tsp_exit);
 MODULE_DESCRIPTION(DM_NAME " thin provisioning target with scalable metadata");
 MODULE_AUTHOR("thin-scalable developers");
 MODULE_LICENSE("GPL");
-/* What dm core and lvm2 modprobe for a target: dm-<target name>. */
+/* dm core and lvm2 modprobe dm-<target name>; thin-scalable is ours. */
 MODULE_ALIAS("dm-thin-scal-pool");
-MODULE_ALIAS("dm-thin-scalable");

@@ -292,24 +292,33 @@ test_dropin_ours_first() {
 	dm_remove tss-meta
 }
 
-# A live thin-pool table is not replaced by thin-scal-pool: the new pool
-# would read metadata that the live one is still changing.
-test_live_stock_pool_kept() {
+# Neither pool target replaces the other's live table: both are
+# immutable targets, so dm core refuses the load.  Otherwise two pools
+# would have the same metadata in core, and the one resumed last would
+# write back stale roots.
+test_no_live_target_swap() {
+	local live other id=0
 	need_targets
 	ours || skip "the pool target is the stock one"
 	setup_devs
-	pool_up thin-pool 0
-	dm_message tss-pool "create_thin 0"
-	thin_up thin 0
-	head -c 4M /dev/urandom >p0
-	write_file p0 /dev/mapper/tss-t0 0
-	expect_fail dmsetup reload tss-pool --table \
-		"0 1048576 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
-	dmesg_since_test | grep -q "another target's table is live" ||
-		fail "no error in the kernel log for the refused reload"
-	assert_eq thin-pool "$(dmsetup table tss-pool | cut -d' ' -f3)" "pool target"
-	assert_eq "$(file_sha p0)" "$(dev_sha /dev/mapper/tss-t0 0 4)" "thin device content"
-	down 0
+	for live in thin-pool "$POOL_T"; do
+		other=thin-pool
+		[ "$live" != thin-pool ] || other=$POOL_T
+		pool_up "$live" 0
+		[ "$(dmsetup table tss-pool | cut -d' ' -f3)" = "$live" ] || fail "pool target"
+		dm_message tss-pool "create_thin $id"
+		if [ "$live" = thin-pool ]; then thin_up thin $id; else thin_up "$THIN_T" $id; fi
+		head -c 4M /dev/urandom >p0
+		write_file p0 "/dev/mapper/tss-t$id" 0
+		expect_fail dmsetup reload tss-pool --table \
+			"0 1048576 $other /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+		dmesg_since_test | grep -q "can't replace immutable target type $live" ||
+			fail "no refusal of $other over $live in the kernel log"
+		assert_eq "$live" "$(dmsetup table tss-pool | cut -d' ' -f3)" "pool target after the refused reload"
+		assert_eq "$(file_sha p0)" "$(dev_sha "/dev/mapper/tss-t$id" 0 4)" "thin device content"
+		down $id
+		id=$((id + 1))
+	done
 	dm_remove tss-data
 	dm_remove tss-meta
 }
@@ -317,5 +326,5 @@ test_live_stock_pool_kept() {
 run_test thin_scalable_dropin_both_ways test_dropin_both_ways
 run_test thin_scalable_dropin_ours_first test_dropin_ours_first
 run_test thin_scalable_table_status_lines test_table_status_lines
-run_test thin_scalable_live_stock_pool_kept test_live_stock_pool_kept
+run_test thin_scalable_no_live_target_swap test_no_live_target_swap
 summary
