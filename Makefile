@@ -20,8 +20,9 @@
 #                         VM tests: status lines through libdevmapper)
 #                         and make lvm2
 #   make lvm2             scripts/build-lvm2: Debian's lvm2 with
-#                         lvm2/*.patch, build/lvm2/src/tools/lvm (for
-#                         the VM tests; fetches the source once)
+#                         lvm2/*.patch, lvm and dmeventd under
+#                         build/lvm2/src/ (for the VM tests; downloads
+#                         the source package once, until make clean)
 #   make deps             scripts/install-deps: the Debian packages, if
 #                         any is missing (check, bench and fuzz run it)
 #   make check            module, tools, unit tests and vm-helpers, then

@@ -264,19 +264,31 @@ start_dmeventd() {
 	LD_LIBRARY_PATH=$LVM_LIBS "$DMEVENTD_BIN" -f -l -d >dmeventd.log 2>&1 &
 	DMEVENTD_PID=$!
 	# Not left running by a failed test (each runs in a subshell).
-	trap 'kill "$DMEVENTD_PID" 2>/dev/null || true' EXIT
+	trap stop_dmeventd EXIT
 	local i
 	for i in $(seq 50); do
-		[ -p /run/dmeventd-server ] && return 0
+		kill -0 "$DMEVENTD_PID" 2>/dev/null || break
+		[ "$(cat /run/dmeventd.pid 2>/dev/null)" = "$DMEVENTD_PID" ] &&
+			[ -p /run/dmeventd-server ] && return 0
 		sleep 0.2
 	done
 	cat dmeventd.log
 	fail "dmeventd did not start"
 }
 
+# dmeventd exits on SIGTERM only once nothing is monitored: unmonitor
+# the VG first (a no-op once it is inactive), and kill it after 10 s.
 stop_dmeventd() {
+	local i
+	kill -0 "$DMEVENTD_PID" 2>/dev/null || return 0
+	lvm vgchange -q --monitor n "$VG" >/dev/null 2>&1 || true
 	kill "$DMEVENTD_PID"
-	wait "$DMEVENTD_PID" || true
+	for i in $(seq 100); do
+		kill -0 "$DMEVENTD_PID" 2>/dev/null || break
+		sleep 0.1
+	done
+	kill -KILL "$DMEVENTD_PID" 2>/dev/null || true
+	wait "$DMEVENTD_PID" 2>/dev/null || true
 }
 
 test_lvm2_autoextend() {
