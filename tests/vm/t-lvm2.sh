@@ -99,23 +99,38 @@ check_pool_metadata() {
 	lvm lvchange -q -an "$VG/pool_tmeta"
 }
 
-test_lvm2_thin_scalable() {
-	local scalable=0 sha1
+# make_vg [<monitoring>]: on a fresh /dev/ram0, VG $VG with pool, a
+# 64 MiB thin pool of 64 KiB blocks (1024), and thin1, a 128 MiB thin LV,
+# on our targets unless the suite runs the stock ones; with monitoring 1,
+# under dmeventd.
+make_vg() {
+	local scalable=0
 	need_targets
 	need_lvm
 	if ours; then
 		scalable=1
 	fi
 	brd_setup 1 256
-	lvm_config $scalable
-
+	lvm_config $scalable "${1:-0}"
+	if [ "${1:-0}" = 1 ]; then
+		start_dmeventd
+	fi
 	lvm pvcreate -q /dev/ram0
 	lvm vgcreate -q "$VG" /dev/ram0
-	# 64 MiB of 64 KiB blocks: 1024
-	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k --zero y -n pool "$VG"
+	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k -n pool "$VG"
 	lvm lvcreate -q -V 128m -T "$VG/pool" -n thin1
 	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target"
 	assert_eq "$THIN_T" "$(target_of "$VG-thin1")" "thin LV target"
+}
+
+remove_vg() {
+	lvm vgremove -q -ff "$VG"
+	lvm pvremove -q /dev/ram0
+}
+
+test_lvm2_thin_scalable() {
+	local sha1
+	make_vg
 	log "pool: $(dmsetup table "$VG-pool-tpool")"
 
 	head -c 16M /dev/urandom >p0
@@ -144,8 +159,7 @@ test_lvm2_thin_scalable() {
 	if ours; then
 		switch_targets "$sha1"
 	fi
-	lvm vgremove -q -ff "$VG"
-	lvm pvremove -q /dev/ram0
+	remove_vg
 }
 
 # The inactive pool of test_lvm2_thin_scalable on the stock targets, then
@@ -184,20 +198,8 @@ pool_status() {
 }
 
 test_lvm2_operations() {
-	local scalable=0 meta_before
-	need_targets
-	need_lvm
-	if ours; then
-		scalable=1
-	fi
-	brd_setup 1 256
-	lvm_config $scalable
-
-	lvm pvcreate -q /dev/ram0
-	lvm vgcreate -q "$VG" /dev/ram0
-	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k -n pool "$VG"
-	lvm lvcreate -q -V 64m -T "$VG/pool" -n thin1
-	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target"
+	local meta_before
+	make_vg
 	head -c 8M /dev/urandom >p0
 	write_file p0 "/dev/mapper/$VG-thin1" 0
 
@@ -254,8 +256,7 @@ test_lvm2_operations() {
 
 	lvm vgchange -q -an "$VG"
 	check_pool_metadata
-	lvm vgremove -q -ff "$VG"
-	lvm pvremove -q /dev/ram0
+	remove_vg
 }
 
 # dmeventd in the foreground, in the background: lvm registers the
@@ -292,21 +293,8 @@ stop_dmeventd() {
 }
 
 test_lvm2_autoextend() {
-	local scalable=0 i size
-	need_targets
-	need_lvm
-	if ours; then
-		scalable=1
-	fi
-	brd_setup 1 256
-	lvm_config $scalable 1
-	start_dmeventd
-
-	lvm pvcreate -q /dev/ram0
-	lvm vgcreate -q "$VG" /dev/ram0
-	lvm lvcreate -q --type thin-pool -L 64m --chunksize 64k -n pool "$VG"
-	lvm lvcreate -q -V 128m -T "$VG/pool" -n thin1
-	assert_eq "$POOL_T" "$(target_of "$VG-pool-tpool")" "pool target"
+	local i size
+	make_vg 1
 	assert_eq monitored "$(lv_field pool seg_monitor)" "pool monitoring"
 
 	# 52 MiB of 64: 81%, past the threshold.  The pool's low water event
@@ -327,8 +315,7 @@ test_lvm2_autoextend() {
 	lvm vgchange -q -an "$VG"
 	stop_dmeventd
 	check_pool_metadata
-	lvm vgremove -q -ff "$VG"
-	lvm pvremove -q /dev/ram0
+	remove_vg
 }
 
 run_test lvm2_thin_scalable test_lvm2_thin_scalable
