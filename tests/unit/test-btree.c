@@ -713,27 +713,37 @@ static void check_all_freed(struct ctx *c)
 }
 
 /* Levels of a tree, from the on-disk node format (flags 1 = internal). */
+/* Block number of child @i of internal node @b. */
+static tsp_block_t node_child(struct ctx *c, tsp_block_t b, u32 i)
+{
+	struct tsp_block *blk;
+	__le32 max;
+	__le64 child;
+	u8 *n;
+
+	CHECK_R(tsp_tm_read_lock(c->tm, b, &tsp_btree_node_validator, &blk), 0);
+	n = tsp_block_data(blk);
+	memcpy(&max, n + 20, 4);
+	memcpy(&child, n + 32 + 8 * (size_t)le32_to_cpu(max) + 8 * (size_t)i, 8);
+	tsp_tm_unlock(c->tm, blk);
+	return le64_to_cpu(child);
+}
+
 static int tree_depth(struct ctx *c, tsp_block_t root)
 {
 	struct tsp_block *blk;
 	int depth = 0;
-	u8 *n;
+	__le32 flags;
 
 	for (;;) {
-		u32 flags, max;
-		__le64 child;
-
 		CHECK_R(tsp_tm_read_lock(c->tm, root, &tsp_btree_node_validator,
 					 &blk), 0);
-		n = tsp_block_data(blk);
-		depth++;
-		memcpy(&flags, n + 4, 4);
-		memcpy(&max, n + 20, 4);
-		memcpy(&child, n + 32 + 8 * (size_t)le32_to_cpu(max), 8);
+		memcpy(&flags, (u8 *)tsp_block_data(blk) + 4, 4);
 		tsp_tm_unlock(c->tm, blk);
+		depth++;
 		if (le32_to_cpu(flags) != 1)
 			return depth;
-		root = le64_to_cpu(child);
+		root = node_child(c, root, 0);
 	}
 }
 
@@ -1403,22 +1413,6 @@ static void test_enospc(void)
 	commit(c);
 	ctx_destroy(c);
 	printf("ok   %s\n", phase);
-}
-
-/* Block number of child @i of internal node @b. */
-static tsp_block_t node_child(struct ctx *c, tsp_block_t b, u32 i)
-{
-	struct tsp_block *blk;
-	__le32 max;
-	__le64 child;
-	u8 *n;
-
-	CHECK_R(tsp_tm_read_lock(c->tm, b, &tsp_btree_node_validator, &blk), 0);
-	n = tsp_block_data(blk);
-	memcpy(&max, n + 20, 4);
-	memcpy(&child, n + 32 + 8 * (size_t)le32_to_cpu(max) + 8 * (size_t)i, 8);
-	tsp_tm_unlock(c->tm, blk);
-	return le64_to_cpu(child);
 }
 
 /*
