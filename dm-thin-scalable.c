@@ -2126,8 +2126,8 @@ static int pool_preresume(struct dm_target *ti)
 	mutex_unlock(&pool->mode_lock);
 	pool->data_bdev = pt->data_dev->bdev;
 	pool->low_water_blocks = pt->low_water_blocks;
+	/* discard_enabled is the pool's own, set once (pool_find()). */
 	pool->pf.zero_new_blocks = pt->adjusted_pf.zero_new_blocks;
-	pool->pf.discard_enabled = pt->adjusted_pf.discard_enabled;
 	pool->pf.discard_passdown = pt->adjusted_pf.discard_passdown;
 	pool->pf.error_if_no_space = pt->adjusted_pf.error_if_no_space;
 	pool->table_error_if_no_space = pt->adjusted_pf.error_if_no_space;
