@@ -837,7 +837,7 @@ static struct tsp_thin_device *find_open(struct tsp_pool_metadata *pmd,
 	return NULL;
 }
 
-/* Get the in-core device, reading its details; -ENODEV if none. */
+/* Get the in-core device, reading its details; -ENODATA if none. */
 static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 			 struct tsp_thin_device **result)
 {
@@ -854,8 +854,6 @@ static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	}
 
 	r = tsp_btree_lookup(&pmd->details_info, pmd->details_root, dev, &disk);
-	if (r == -ENODATA)
-		return -ENODEV;
 	if (r)
 		return r;
 	details_unpack(&disk, &d);
@@ -995,7 +993,7 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	if (r == -ENODATA) {
 		DMERR("snapshot origin %llu does not exist",
 		      (unsigned long long)origin);
-		return -ENODEV;
+		return -ENODATA;
 	}
 	if (r)
 		return r;
@@ -1054,7 +1052,7 @@ static int __delete_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, dev, NULL);
 	if (r == -ENODATA) {
 		DMERR("thin device %llu does not exist", (unsigned long long)dev);
-		return -ENODEV;
+		return -ENODATA;
 	}
 	if (!r)
 		r = tsp_btree_remove(&pmd->tl_info, pmd->root, dev, &pmd->root);

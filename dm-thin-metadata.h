@@ -15,8 +15,10 @@
  * sleep; see "The mapping cache" below).
  *
  * Return codes, for every function returning int: 0 on success;
- * -ENODATA for a virtual block that is not mapped; -EEXIST for a device
- * id in use; -ENODEV for no such device; -EBUSY for an open device being
+ * -ENODATA for a virtual block that is not mapped, or a device id that
+ * is not in use (as dm-thin, whose "delete" of a missing device lvm2
+ * takes for done); -ENODEV for an open device deleted meanwhile; -EEXIST
+ * for a device id in use; -EBUSY for an open device being
  * deleted, a metadata snapshot that exists, or a device still open at
  * close; -ENOSPC when out of data or metadata space; -EINVAL for bad
  * arguments; -EILSEQ for corrupt metadata; -EPERM when the metadata is

@@ -1214,6 +1214,7 @@ static void do_no_space_timeout(struct work_struct *ws)
 		       dm_device_name(pool->pool_md), no_space_timeout_secs);
 		WRITE_ONCE(pool->pf.error_if_no_space, true);
 		error_retry_list(pool, BLK_STS_NOSPC);
+		pool_event(pool);	/* the status line changed */
 	}
 	mutex_unlock(&pool->mode_lock);
 }
@@ -1707,6 +1708,8 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	mutex_init(&pool->mode_lock);
 	bio_list_init(&pool->retry_list);
 	INIT_LIST_HEAD(&pool->thins);
+	/* No thin device until the first resume has bound a table. */
+	pool->suspended = true;
 	INIT_DELAYED_WORK(&pool->waker, do_waker);
 	INIT_DELAYED_WORK(&pool->no_space_timeout, do_no_space_timeout);
 	atomic64_set(&pool->commits, 0);
@@ -1775,22 +1778,27 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 
 	lockdep_assert_held(&pool_table_mutex);
 	list_for_each_entry(pool, &pool_table, list) {
-		bool same_md = pool->pool_md == pool_md;
+		bool same_metadata = pool->metadata_devt == metadata_bdev->bd_dev;
+		bool same_data = pool->data_devt == data_bdev->bd_dev;
 
-		if (!same_md && pool->metadata_devt == metadata_bdev->bd_dev) {
-			*error = "metadata device already in use by a pool";
-			return ERR_PTR(-EBUSY);
-		}
-		if (!same_md && pool->data_devt == data_bdev->bd_dev) {
-			*error = "data device already in use by a pool";
-			return ERR_PTR(-EBUSY);
-		}
-		if (!same_md)
+		if (pool->pool_md != pool_md) {
+			if (same_metadata) {
+				*error = "metadata device already in use by a pool";
+				return ERR_PTR(-EBUSY);
+			}
+			if (same_data) {
+				*error = "data device already in use by a pool";
+				return ERR_PTR(-EBUSY);
+			}
 			continue;
-		if (pool->metadata_devt != metadata_bdev->bd_dev ||
-		    pool->data_devt != data_bdev->bd_dev) {
+		}
+		if (!same_metadata) {
 			*error = "different pool cannot replace a pool";
 			return ERR_PTR(-EINVAL);
+		}
+		if (!same_data) {
+			*error = "data device already in use by a pool";
+			return ERR_PTR(-EBUSY);
 		}
 		if (pool->sectors_per_block != sectors_per_block) {
 			*error = "cannot change the data block size of a pool";
@@ -1883,6 +1891,28 @@ static void pool_dtr(struct dm_target *ti)
  * thin-scal-pool <metadata dev> <data dev> <data block size (sectors)>
  *	<low water mark (blocks)> [<#feature args> [<arg>]*]
  */
+/*
+ * Discards are passed down only to a data device that takes them whole
+ * blocks at a time, as dm-thin decides.
+ */
+static void disable_passdown_if_unsupported(struct pool_c *pt)
+{
+	struct block_device *data_bdev = pt->data_dev->bdev;
+	const char *reason = NULL;
+
+	if (!pt->adjusted_pf.discard_enabled || !pt->adjusted_pf.discard_passdown)
+		return;
+	if (!bdev_max_discard_sectors(data_bdev))
+		reason = "discard unsupported";
+	else if (bdev_max_discard_sectors(data_bdev) < pt->pool->sectors_per_block)
+		reason = "max discard sectors smaller than a block";
+	if (reason) {
+		DMWARN("Data device (%pg) %s: Disabling discard passdown.",
+		       data_bdev, reason);
+		pt->adjusted_pf.discard_passdown = false;
+	}
+}
+
 static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 {
 	struct dm_arg_set as = { .argc = argc, .argv = argv };
@@ -1911,7 +1941,10 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	if (r)
 		goto out_unlock;
 
-	r = dm_get_device(ti, argv[0], OPEN_READ_WRITE, &metadata_dev);
+	/* A read-only pool writes no metadata: its device may be read-only. */
+	r = dm_get_device(ti, argv[0],
+			  pf.mode == PM_READ_ONLY ? OPEN_READ : OPEN_READ_WRITE,
+			  &metadata_dev);
 	if (r) {
 		ti->error = "Error opening metadata block device";
 		goto out_unlock;
@@ -1970,12 +2003,12 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	pt->low_water_blocks = low_water;
 	pt->requested_pf = pf;
 	pt->adjusted_pf = pf;
-	if (!bdev_max_discard_sectors(data_dev->bdev))
-		pt->adjusted_pf.discard_passdown = false;
+	disable_passdown_if_unsupported(pt);
 
 	ti->private = pt;
 	ti->num_flush_bios = 1;
 	ti->flush_supported = true;
+	ti->limit_swap_bios = true;
 	/*
 	 * Discards sent to the pool device itself go to the data device, if
 	 * passed down at all.  discards_supported keeps dm core from stacking
@@ -2008,6 +2041,10 @@ static int pool_map(struct dm_target *ti, struct bio *bio)
 	return DM_MAPIO_REMAPPED;
 }
 
+/*
+ * Grow the pool to its table's length.  Shrinking is refused in every
+ * mode; a pool that cannot write its metadata grows when it next can.
+ */
 static int resize_data(struct pool_c *pt)
 {
 	struct pool *pool = pt->pool;
@@ -2024,7 +2061,7 @@ static int resize_data(struct pool_c *pt)
 		      (unsigned long long)have);
 		return -EINVAL;
 	}
-	if (want == have)
+	if (want == have || pool_mode(pool) >= PM_READ_ONLY)
 		return 0;
 
 	r = tsp_pool_resize_data_dev(pool->pmd, want);
@@ -2035,18 +2072,27 @@ static int resize_data(struct pool_c *pt)
 	return commit(pool);
 }
 
+/* Grow the metadata space map to the device; as resize_data(). */
 static int resize_metadata(struct pool_c *pt)
 {
 	struct pool *pool = pt->pool;
 	tsp_block_t want = min_t(tsp_block_t, TSP_METADATA_MAX_BLOCKS,
-				 bdev_nr_sectors(pt->metadata_dev->bdev) >>
-				 (PAGE_SHIFT - SECTOR_SHIFT));
+				 div_u64(bdev_nr_sectors(pt->metadata_dev->bdev),
+					 TSP_METADATA_BLOCK_SECTORS));
 	tsp_block_t have;
 	int r;
 
 	r = tsp_pool_get_metadata_dev_size(pool->pmd, &have);
-	if (r || want <= have)
+	if (r)
 		return r;
+	if (want < have) {
+		DMERR("%s: metadata device (%llu blocks) is smaller than before (%llu blocks)",
+		      dm_device_name(pool->pool_md), (unsigned long long)want,
+		      (unsigned long long)have);
+		return -EINVAL;
+	}
+	if (want == have || pool_mode(pool) >= PM_READ_ONLY)
+		return 0;
 	r = tsp_pool_resize_metadata_dev(pool->pmd, want);
 	if (r) {
 		metadata_failed(pool, "resize_metadata_dev", r);
@@ -2150,25 +2196,30 @@ static int pool_preresume(struct dm_target *ti)
 	}
 	mutex_unlock(&pool->mode_lock);
 
-	if (pool_mode(pool) < PM_READ_ONLY) {
-		r = resize_data(pt);
-		if (!r)
-			r = resize_metadata(pt);
-		if (r)
-			return r;
-		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
-			tsp_block_t free;
+	if (pool_mode(pool) == PM_FAIL)
+		return 0;
+	r = resize_data(pt);
+	if (!r)
+		r = resize_metadata(pt);
+	/*
+	 * A pool that failed meanwhile resumes, as dm-thin's: its IO is
+	 * then errored rather than held by a suspended device.
+	 */
+	if (r)
+		return pool_mode(pool) == PM_FAIL ? 0 : r;
 
-			if (!tsp_pool_get_free_block_count(pool->pmd, &free) && free)
-				switch_pool_mode(pool, PM_OUT_OF_DATA_SPACE, PM_WRITE);
-		}
-		if (pool_mode(pool) == PM_OUT_OF_METADATA_SPACE) {
-			tsp_block_t nr_meta, nr_meta_free;
+	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
+		tsp_block_t free;
 
-			if (!get_metadata_space(pool, &nr_meta, &nr_meta_free) &&
-			    nr_meta_free)
-				switch_pool_mode(pool, PM_OUT_OF_METADATA_SPACE, PM_WRITE);
-		}
+		if (!tsp_pool_get_free_block_count(pool->pmd, &free) && free)
+			switch_pool_mode(pool, PM_OUT_OF_DATA_SPACE, PM_WRITE);
+	}
+	if (pool_mode(pool) == PM_OUT_OF_METADATA_SPACE) {
+		tsp_block_t nr_meta, nr_meta_free;
+
+		if (!get_metadata_space(pool, &nr_meta, &nr_meta_free) &&
+		    nr_meta_free)
+			switch_pool_mode(pool, PM_OUT_OF_METADATA_SPACE, PM_WRITE);
 	}
 	return 0;
 }
@@ -2205,32 +2256,49 @@ static void pool_postsuspend(struct dm_target *ti)
 	(void)commit(pool);
 }
 
+/* A device id in a message: a number of dm-thin's 24 bits. */
+static bool parse_dev_id(const char *arg, tsp_thin_id *id)
+{
+	unsigned long long v;
+
+	if (kstrtoull(arg, 10, &v) || v > TSP_THIN_MAX_DEV_ID) {
+		DMERR("Message received with invalid device id: %s", arg);
+		return false;
+	}
+	*id = v;
+	return true;
+}
+
 static int process_message(struct pool *pool, unsigned int argc, char **argv,
 			   char *result, unsigned int maxlen)
 {
-	unsigned long long id, origin, new_id;
+	unsigned long long old_tid, new_tid;
+	tsp_thin_id id, origin;
 	int r;
 
 	if (!strcasecmp(argv[0], "create_thin") && argc == 2) {
-		if (kstrtoull(argv[1], 10, &id))
-			goto bad_number;
+		if (!parse_dev_id(argv[1], &id))
+			return -EINVAL;
 		r = tsp_pool_create_thin(pool->pmd, id);
 	} else if (!strcasecmp(argv[0], "create_snap") && argc == 3) {
-		if (kstrtoull(argv[1], 10, &id) || kstrtoull(argv[2], 10, &origin))
-			goto bad_number;
+		if (!parse_dev_id(argv[1], &id) || !parse_dev_id(argv[2], &origin))
+			return -EINVAL;
 		r = tsp_pool_create_snap(pool->pmd, id, origin);
 	} else if (!strcasecmp(argv[0], "delete") && argc == 2) {
-		if (kstrtoull(argv[1], 10, &id))
-			goto bad_number;
+		if (!parse_dev_id(argv[1], &id))
+			return -EINVAL;
 		mutex_lock(&pool->commit_lock);
 		r = tsp_pool_delete_thin_device(pool->pmd, id);
 		if (!r)
 			pool->freed_this_transaction = true;
 		mutex_unlock(&pool->commit_lock);
 	} else if (!strcasecmp(argv[0], "set_transaction_id") && argc == 3) {
-		if (kstrtoull(argv[1], 10, &id) || kstrtoull(argv[2], 10, &new_id))
-			goto bad_number;
-		r = tsp_pool_set_metadata_transaction_id(pool->pmd, id, new_id);
+		if (kstrtoull(argv[1], 10, &old_tid) ||
+		    kstrtoull(argv[2], 10, &new_tid)) {
+			DMERR("set_transaction_id: bad number in message arguments");
+			return -EINVAL;
+		}
+		r = tsp_pool_set_metadata_transaction_id(pool->pmd, old_tid, new_tid);
 	} else if (!strcasecmp(argv[0], "reserve_metadata_snap") && argc == 1) {
 		r = commit_then(pool, tsp_pool_reserve_metadata_snap);
 	} else if (!strcasecmp(argv[0], "release_metadata_snap") && argc == 1) {
@@ -2244,10 +2312,6 @@ static int process_message(struct pool *pool, unsigned int argc, char **argv,
 	if (r)
 		DMWARN("%s message failed: %d", argv[0], r);
 	return r;
-
-bad_number:
-	DMERR("%s: bad number in message arguments", argv[0]);
-	return -EINVAL;
 }
 
 static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
@@ -2396,7 +2460,9 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 		emit_flags(&pt->requested_pf, result, sz, maxlen);
 		break;
 
-	default:
+	case STATUSTYPE_IMA:
+		/* dm core reuses the buffer from target to target. */
+		*result = '\0';
 		break;
 	}
 }
@@ -2421,13 +2487,43 @@ static int pool_iterate_devices(struct dm_target *ti,
 	return fn(ti, pt->data_dev, 0, ti->len, data);
 }
 
+static bool is_factor(sector_t n, u32 divisor)
+{
+	return !sector_div(n, divisor);
+}
+
+/*
+ * The pool device's limits, which its thin devices stack: dm-thin's.  A
+ * bio smaller than a block is cut at a power-of-2 factor of the block
+ * size, so that the pieces of one block end on its boundary (a RAID
+ * stripe, when the block is one).  The data device's io_opt stays when
+ * it is a multiple of the block size (a RAID stripe of several blocks);
+ * else the block is the optimal IO.
+ */
 static void pool_io_hints(struct dm_target *ti, struct queue_limits *limits)
 {
 	struct pool_c *pt = ti->private;
 	struct pool *pool = pt->pool;
+	u32 block_sectors = pool->sectors_per_block;
+	sector_t io_opt_sectors = limits->io_opt >> SECTOR_SHIFT;
 
-	limits->io_min = pool->sectors_per_block << SECTOR_SHIFT;
-	limits->io_opt = pool->sectors_per_block << SECTOR_SHIFT;
+	if (limits->max_sectors < block_sectors) {
+		while (!is_factor(block_sectors, limits->max_sectors)) {
+			if (is_power_of_2(limits->max_sectors))
+				limits->max_sectors--;
+			limits->max_sectors = rounddown_pow_of_two(limits->max_sectors);
+		}
+	}
+
+	if (io_opt_sectors < block_sectors ||
+	    !is_factor(io_opt_sectors, block_sectors)) {
+		if (is_factor(block_sectors, limits->max_sectors))
+			limits->io_min = limits->max_sectors << SECTOR_SHIFT;
+		else
+			limits->io_min = block_sectors << SECTOR_SHIFT;
+		limits->io_opt = block_sectors << SECTOR_SHIFT;
+	}
+
 	if (pt->adjusted_pf.discard_enabled)
 		set_discard_limits(pool, limits);
 }
@@ -2577,6 +2673,7 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	ti->private = tc;
 	ti->num_flush_bios = 1;
 	ti->flush_supported = true;
+	ti->limit_swap_bios = true;
 	ti->per_io_data_size = sizeof(struct thin_bio);
 	/* A pool's discard support is fixed while it exists (pool_find()). */
 	if (tc->pool->pf.discard_enabled) {
@@ -2799,7 +2896,8 @@ static void thin_status(struct dm_target *ti, status_type_t type,
 			DMEMIT(" %s", format_dev_t(buf, tc->origin_dev->bdev->bd_dev));
 		break;
 
-	default:
+	case STATUSTYPE_IMA:
+		*result = '\0';
 		break;
 	}
 }

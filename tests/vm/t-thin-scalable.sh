@@ -393,6 +393,45 @@ test_discard_isolation() {
 	teardown_pool
 }
 
+# Discards passed down reach the data device: here a stock thin volume,
+# whose own pool counts the blocks it still maps.  They go down with the
+# commit after the discard (after the IO grace period; dmsetup status
+# commits), and only for blocks no other device still maps.
+test_discard_passdown() {
+	local t=/dev/mapper/tss-thin0
+	need_targets
+	brd_setup 3 512
+	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
+	dm_message tss-lower "create_thin 0"
+	dm_create tss-data "0 131072 thin /dev/mapper/tss-lower 0"
+	dm_create tss-meta "0 131072 linear /dev/ram0 0"
+	dm_create tss-pool "0 131072 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 16M /dev/urandom >a
+	write_file a $t 0
+	# A snapshot shares the first 4 MiB: those blocks stay.
+	dmsetup suspend tss-thin0
+	dm_message tss-pool "create_snap 1 0"
+	dmsetup resume tss-thin0
+	dm_create tss-snap "0 65536 $THIN_T /dev/mapper/tss-pool 1"
+	blkdiscard -o $((4 << 20)) -l $((12 << 20)) /dev/mapper/tss-snap
+	assert_eq 256 "$(pool_used tss-lower)" "blocks the lower pool maps before the discards"
+
+	blkdiscard -o 0 -l $((12 << 20)) $t
+	dm_status tss-pool >/dev/null	# commits
+	assert_eq 128 "$(pool_used tss-pool)" "our blocks after the discards"
+	assert_eq 128 "$(pool_used tss-lower)" "blocks the lower pool maps after the discards"
+	assert_eq "$(part_sha a 0 4)" "$(dev_sha /dev/mapper/tss-snap 0 4)" "the snapshot's data"
+	assert_eq "$(part_sha a 12 4)" "$(dev_sha $t 12 4)" "the origin's data after the discard"
+	dm_remove tss-snap
+	dm_remove tss-thin0
+	teardown_pool
+	dm_remove tss-lower
+	check_meta /dev/ram1
+}
+
 # A data device that offers WRITE ZEROES gets the rest of each new block
 # zeroed with it, not with written pages (stock dm-thin 6.1 writes them).
 # A loop device over a tmpfs file offers it by punching holes: the file
@@ -604,6 +643,20 @@ test_messages() {
 	dm_message tss-pool "release_metadata_snap"
 	dm_message tss-pool "delete 5"
 
+	# A device that does not exist: ENODATA, as dm-thin's, which lvm2
+	# takes for "already deleted" when it replays its messages.
+	for m in "delete 42" "create_snap 43 42"; do
+		if out=$(dmsetup message tss-pool 0 "$m" 2>&1); then
+			fail "message '$m' on a missing device succeeded"
+		fi
+		[[ $out == *"No data available"* ]] || fail "message '$m': ENODATA expected: $out"
+	done
+	# An id wider than 24 bits is invalid.
+	if out=$(dmsetup message tss-pool 0 "delete 16777216" 2>&1); then
+		fail "deleting device 16777216 succeeded"
+	fi
+	[[ $out == *"Invalid argument"* ]] || fail "delete 16777216: EINVAL expected: $out"
+
 	# The extra stats message (ours only).
 	if ours; then
 		# Read the mapped blocks twice: the second time from the cache.
@@ -643,7 +696,7 @@ wait_gone() {
 }
 
 test_no_space() {
-	local t=/dev/mapper/tss-thin0 t0 dt old_timeout pid
+	local t=/dev/mapper/tss-thin0 t0 dt old_timeout pid events
 	need_targets
 	[ -w "$NO_SPACE_TIMEOUT" ] || fail "no module parameter $NO_SPACE_TIMEOUT"
 	old_timeout=$(cat "$NO_SPACE_TIMEOUT")
@@ -701,6 +754,7 @@ test_no_space() {
 	# no_space_timeout, then fails.
 	reload_pool 32 0
 	assert_eq queue_if_no_space "$(dm_status tss-pool | cut -d' ' -f7)" "queue mode after the second reload"
+	events=$(dmsetup info -c --noheadings -o events tss-pool)
 	dd if=a of=$t bs=1M skip=40 seek=40 count=1 oflag=direct conv=notrunc status=none 2>dd.err &
 	pid=$!
 	if ! wait_gone $pid 200; then
@@ -714,6 +768,10 @@ test_no_space() {
 		fail "a write to a full pool reloaded in queue mode succeeded"
 	fi
 	log "queued write after reload failed: $(cat dd.err)"
+	# The timeout changed the status line: an event for dmeventd.
+	assert_eq error_if_no_space "$(dm_status tss-pool | cut -d' ' -f7)" "no-space mode after the timeout"
+	[ "$(dmsetup info -c --noheadings -o events tss-pool)" -gt "$events" ] ||
+		fail "no event when the no-space timeout expired"
 
 	# Queue mode, and the pool grows while a write waits: the write
 	# completes.
@@ -774,6 +832,81 @@ test_no_space() {
 		fail "out of space again after the timeout, the write failed after ${dt}s, not queued"
 	dm_remove tss-thin1
 	dm_remove tss-thin0
+	teardown_pool
+}
+
+# --- 7a. the pool's devices, as dm-thin checks them -------------------------
+
+# sysfs queue limit <name> of device-mapper device <dm name>.
+queue_limit() {
+	cat "/sys/dev/block/$(devno "/dev/mapper/$1")/queue/$2"
+}
+
+test_pool_devices() {
+	local mark meta_sectors=$((META_MIB * 2048)) pool_line d
+	need_targets
+	TSS_RAM_DISKS=3 make_pool 64 0
+	dm_message tss-pool "create_thin 1"
+	dm_remove tss-pool
+	pool_line="0 131072 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+
+	# No thin device before the pool's first resume: until then the pool
+	# has no table bound (nor its zeroing feature).  (The device must be
+	# live to be opened: here with another target's table.)
+	dm_create tss-pool "0 131072 zero"
+	dmsetup load tss-pool --table "$pool_line" || fail "loading the pool failed"
+	mark=$(kmsg_mark)
+	expect_fail dmsetup create tss-thin1 --table "0 2048 $THIN_T /dev/mapper/tss-pool 1"
+	dmesg_has "$mark" "while pool is suspended" ||
+		fail "no 'pool is suspended' error for a thin device before the pool's resume"
+	! dm_exists tss-thin1 || dm_remove tss-thin1
+	dmsetup resume tss-pool || fail "resuming the pool failed"
+	dm_create tss-thin1 "0 2048 $THIN_T /dev/mapper/tss-pool 1"
+	dm_remove tss-thin1
+
+	# A metadata device that shrank is refused on resume; grown back, the
+	# pool resumes.
+	dmsetup suspend tss-pool
+	dmsetup reload tss-meta --table "0 $((meta_sectors / 2)) linear /dev/ram0 0"
+	dmsetup resume tss-meta
+	expect_fail dmsetup resume tss-pool
+	dmsetup reload tss-meta --table "0 $meta_sectors linear /dev/ram0 0"
+	dmsetup resume tss-meta
+	dmsetup resume tss-pool || fail "resuming the pool with its metadata device back failed"
+
+	# A smaller data table is refused in read-only mode too.
+	dmsetup reload tss-pool --table "0 65536 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 1 read_only"
+	expect_fail dmsetup resume tss-pool
+	dmsetup reload tss-pool --table "$pool_line"
+	dmsetup resume tss-pool || fail "resuming the pool at its own size failed"
+	check_pool_status tss-pool
+	dm_remove tss-pool
+
+	# A read-only pool opens its metadata device read-only, and writes
+	# nothing to it: the device may be read-only (6.1 lets a write through
+	# with a warning, which must not appear).
+	blockdev --setro /dev/mapper/tss-meta
+	mark=$(kmsg_mark)
+	dm_create tss-pool "0 131072 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 1 read_only"
+	assert_eq ro "$(dm_status tss-pool | cut -d' ' -f5)" "mode of a pool on a read-only metadata device"
+	dm_create tss-thin1 "0 2048 $THIN_T /dev/mapper/tss-pool 1"
+	assert_eq "$(zero_sha 1)" "$(dev_sha /dev/mapper/tss-thin1 0 1)" "an unprovisioned thin device of a read-only pool"
+	dm_remove tss-thin1
+	dm_remove tss-pool
+	blockdev --setrw /dev/mapper/tss-meta
+	! dmesg_has "$mark" "write to read-only" || fail "a read-only pool wrote to its metadata device"
+
+	# A data device striped in two 64 KiB chunks: io_opt 128 KiB, a
+	# multiple of the 64 KiB block, stays; io_min is the block.
+	dm_remove tss-data
+	dm_create tss-data "0 131072 striped 2 128 /dev/ram1 0 /dev/ram2 0"
+	dm_create tss-pool "$pool_line"
+	dm_create tss-thin1 "0 2048 $THIN_T /dev/mapper/tss-pool 1"
+	for d in tss-pool tss-thin1; do
+		assert_eq 65536 "$(queue_limit $d minimum_io_size)" "minimum_io_size of $d"
+		assert_eq 131072 "$(queue_limit $d optimal_io_size)" "optimal_io_size of $d"
+	done
+	dm_remove tss-thin1
 	teardown_pool
 }
 
@@ -987,11 +1120,13 @@ run_test thin_scalable_external_origin test_external_origin
 run_test thin_scalable_discard test_discard
 run_test thin_scalable_ignore_discard test_ignore_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
+run_test thin_scalable_discard_passdown test_discard_passdown
 run_test thin_scalable_zeroing_offload test_zeroing_offload
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_no_space test_no_space
+run_test thin_scalable_pool_devices test_pool_devices
 run_test thin_scalable_pool_suspend test_pool_suspend
 run_test thin_scalable_read_only_reload test_read_only_reload
 run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
