@@ -45,7 +45,8 @@
  * the current transaction.  A commit of a transaction that freed blocks
  * first waits for every IO that entered an epoch before the commit
  * started: an IO remapped through a stale cache entry finishes before its
- * block can be reused.
+ * block can be reused.  Only then does it pass down to the data device
+ * the discards of blocks that discards freed.
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
  * bio that depends on uncommitted mappings is issued (or completed) only
@@ -61,8 +62,8 @@
  *   pool->commit_lock  a commit, and the IO path's mapping changes
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
- *                      and its metadata commit; freed_this_transaction;
- *                      metadata_low_water_triggered
+ *                      and its metadata commit; freed_this_transaction,
+ *                      passdowns; metadata_low_water_triggered
  *   pool->lock         (irq-safe spinlock) pool->retry_list; the
  *                      pool's list of thin targets and its suspended
  *                      flag; each thin target's requeue_no_space
@@ -118,6 +119,11 @@
 #define REGION_BLOCKS 128
 /* Workers per pool at most (pool_workers). */
 #define MAX_WORKERS 64
+/*
+ * Runs of freed blocks waiting to be passed down, at most: more, and the
+ * discard that freed them passes them down itself (process_discard()).
+ */
+#define MAX_PASSDOWNS 1024
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
 #define METADATA_LOW_WATER_BLOCKS 1024ULL
 /*
@@ -223,6 +229,14 @@ struct pool {
 	 */
 	struct mutex commit_lock;
 	bool freed_this_transaction;		/* commit_lock */
+	/*
+	 * Runs of data blocks that discards freed in this transaction, to
+	 * be discarded on the data device (passed down) at its commit, after
+	 * the IO grace period: until then an IO through a stale mapping may
+	 * still read them.  Under commit_lock.
+	 */
+	struct list_head passdowns;
+	unsigned int nr_passdowns;
 	/* Serialises mode changes (pf.mode is also read locklessly). */
 	struct mutex mode_lock;
 
@@ -317,6 +331,12 @@ struct thin_bio {
 	int epoch;			/* -1: not counted */
 	bio_end_io_t *saved_end_io;	/* while a job owns the bio */
 	void *saved_private;
+};
+
+/* A run of freed data blocks to discard on the data device. */
+struct passdown {
+	struct list_head list;
+	tsp_block_t begin, end;
 };
 
 struct job {
@@ -734,6 +754,71 @@ static void check_data_space(struct pool *pool)
 /*----------------------------------------------------------------
  * Commit
  *--------------------------------------------------------------*/
+/*
+ * Queue data block @b, freed by a discard, to be discarded on the data
+ * device at the commit.  A run that @b extends grows instead.  Without
+ * memory the block is not passed down: a discard is a hint to the device.
+ */
+static void defer_passdown(struct pool *pool, tsp_block_t b)
+{
+	struct passdown *pd = NULL;
+
+	lockdep_assert_held(&pool->commit_lock);
+	if (!list_empty(&pool->passdowns))
+		pd = list_last_entry(&pool->passdowns, struct passdown, list);
+	if (pd && pd->end == b) {
+		pd->end++;
+		return;
+	}
+	pd = kmalloc(sizeof(*pd), GFP_NOIO);
+	if (!pd)
+		return;
+	pd->begin = b;
+	pd->end = b + 1;
+	list_add_tail(&pd->list, &pool->passdowns);
+	pool->nr_passdowns++;
+}
+
+static void free_passdowns(struct pool *pool)
+{
+	struct passdown *pd, *tmp;
+
+	list_for_each_entry_safe(pd, tmp, &pool->passdowns, list) {
+		list_del(&pd->list);
+		kfree(pd);
+	}
+	pool->nr_passdowns = 0;
+}
+
+/*
+ * Discard the queued runs on the data device, all at once, and wait:
+ * after the IO grace period (no IO reads them any more) and before the
+ * commit makes them free for reuse (no discard lands on new data).
+ * Errors are ignored, as the device may ignore a discard.
+ */
+static void issue_passdowns(struct pool *pool)
+{
+	sector_t spb = pool->sectors_per_block;
+	struct passdown *pd;
+	struct bio *bio = NULL;
+	struct blk_plug plug;
+
+	lockdep_assert_held(&pool->commit_lock);
+	if (list_empty(&pool->passdowns))
+		return;
+	blk_start_plug(&plug);
+	list_for_each_entry(pd, &pool->passdowns, list)
+		__blkdev_issue_discard(pool->data_bdev, pd->begin * spb,
+				       (pd->end - pd->begin) * spb, GFP_NOIO,
+				       &bio);
+	if (bio) {
+		submit_bio_wait(bio);
+		bio_put(bio);
+	}
+	blk_finish_plug(&plug);
+	free_passdowns(pool);
+}
+
 static int __commit(struct pool *pool)
 {
 	int r;
@@ -754,6 +839,7 @@ static int __commit(struct pool *pool)
 	}
 	if (pool->freed_this_transaction) {
 		epoch_wait_grace_period(pool);
+		issue_passdowns(pool);
 		pool->freed_this_transaction = false;
 	}
 	r = tsp_pool_commit_metadata(pool->pmd);
@@ -1450,10 +1536,15 @@ static void process_discard(struct worker *w, struct thin_c *tc,
 				r = tsp_pool_get_data_block_refcount(pool->pmd,
 								     pb + b, &count);
 				if (!r && !count)
-					blkdev_issue_discard(pool->data_bdev,
-							     (pb + b) * pool->sectors_per_block,
-							     pool->sectors_per_block,
-							     GFP_NOIO);
+					defer_passdown(pool, pb + b);
+			}
+			/*
+			 * Bound the list: the blocks stay unusable until the
+			 * commit, so they may be discarded once no IO uses them.
+			 */
+			if (pool->nr_passdowns >= MAX_PASSDOWNS) {
+				epoch_wait_grace_period(pool);
+				issue_passdowns(pool);
 			}
 		}
 		begin_b = te;
@@ -1648,6 +1739,7 @@ static void pool_destroy(struct pool *pool)
 	if (pool->wq)
 		destroy_workqueue(pool->wq);
 	bioset_exit(&pool->zero_bios);
+	free_passdowns(pool);	/* of a transaction never committed */
 	kfree(pool->workers);
 	free_percpu(pool->epoch);
 	free_percpu(pool->stats);
@@ -1705,6 +1797,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	pool->ref_count = 1;
 	spin_lock_init(&pool->lock);
 	mutex_init(&pool->commit_lock);
+	INIT_LIST_HEAD(&pool->passdowns);
 	mutex_init(&pool->mode_lock);
 	bio_list_init(&pool->retry_list);
 	INIT_LIST_HEAD(&pool->thins);
