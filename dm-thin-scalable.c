@@ -3000,11 +3000,13 @@ static int thin_iterate_devices(struct dm_target *ti,
 {
 	struct thin_c *tc = ti->private;
 	struct pool *pool = tc->pool;
-	sector_t blocks;
+	sector_t blocks = 0;
 
-	if (!pool->ti)
-		return 0;	/* the pool is not resumed yet */
-	blocks = pool->ti->len;
+	/* pool->ti: none before the pool's first resume, or after its dtr. */
+	mutex_lock(&pool->mode_lock);
+	if (pool->ti)
+		blocks = pool->ti->len;
+	mutex_unlock(&pool->mode_lock);
 	(void)sector_div(blocks, pool->sectors_per_block);
 	if (!blocks)
 		return 0;
