@@ -1596,7 +1596,7 @@ static int op_negative(struct stress *s)
 			return 0;
 		EXPECT_RC(s, tsp_pool_delete_thin_device(s->pmd,
 							 s->ids[free_slot]),
-			  -ENODEV, "delete(%llu) of no device",
+			  -ENODATA, "delete(%llu) of no device",
 			  (unsigned long long)s->ids[free_slot]);
 		return 0;
 	case 3:
@@ -1605,7 +1605,7 @@ static int op_negative(struct stress *s)
 		r = tsp_pool_open_thin_device(s->pmd, s->ids[free_slot], &td);
 		if (!r)
 			tsp_pool_close_thin_device(td);
-		EXPECT_RC(s, r, -ENODEV, "open_thin_device(%llu) of no device",
+		EXPECT_RC(s, r, -ENODATA, "open_thin_device(%llu) of no device",
 			  (unsigned long long)s->ids[free_slot]);
 		return 0;
 	case 4:
@@ -1638,7 +1638,7 @@ static int op_negative(struct stress *s)
 		if (free_slot < 0)
 			return 0;
 		EXPECT_RC(s, tsp_pool_create_snap(s->pmd, s->ids[free_slot],
-			  s->ids[free_slot]), -ENODEV,
+			  s->ids[free_slot]), -ENODATA,
 			  "create_snap(%llu) of a missing origin",
 			  (unsigned long long)s->ids[free_slot]);
 		return 0;
