@@ -751,7 +751,9 @@ test_no_space() {
 	assert_eq "$(part_sha a 16 16)" "$(dev_sha $t 16 16)" "what fitted (queue)"
 
 	# Reloaded in queue mode while still full: a new write waits again for
-	# no_space_timeout, then fails.
+	# no_space_timeout, then fails.  (4 s: the resume arms it, and the
+	# event count must be read before it expires.)
+	echo 4 >"$NO_SPACE_TIMEOUT"
 	reload_pool 32 0
 	assert_eq queue_if_no_space "$(dm_status tss-pool | cut -d' ' -f7)" "queue mode after the second reload"
 	events=$(dmsetup info -c --noheadings -o events tss-pool)
@@ -882,9 +884,9 @@ test_pool_devices() {
 	check_pool_status tss-pool
 	dm_remove tss-pool
 
-	# A read-only pool opens its metadata device read-only, and writes
-	# nothing to it: the device may be read-only (6.1 lets a write through
-	# with a warning, which must not appear).
+	# A read-only pool works on a read-only metadata device and writes
+	# nothing to it (6.1 lets such a write through with a warning, which
+	# must not appear).
 	blockdev --setro /dev/mapper/tss-meta
 	mark=$(kmsg_mark)
 	dm_create tss-pool "0 131072 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 1 read_only"
