@@ -237,6 +237,7 @@ struct pool {
 	 */
 	struct list_head passdowns;
 	unsigned int nr_passdowns;
+	int passdowns_aborts;			/* pool->aborts at the first */
 	/* Serialises mode changes (pf.mode is also read locklessly). */
 	struct mutex mode_lock;
 
@@ -773,6 +774,8 @@ static void defer_passdown(struct pool *pool, tsp_block_t b)
 	pd = kmalloc(sizeof(*pd), GFP_NOIO);
 	if (!pd)
 		return;
+	if (list_empty(&pool->passdowns))
+		pool->passdowns_aborts = atomic_read(&pool->aborts);
 	pd->begin = b;
 	pd->end = b + 1;
 	list_add_tail(&pd->list, &pool->passdowns);
@@ -794,7 +797,9 @@ static void free_passdowns(struct pool *pool)
  * Discard the queued runs on the data device, all at once, and wait:
  * after the IO grace period (no IO reads them any more) and before the
  * commit makes them free for reuse (no discard lands on new data).
- * Errors are ignored, as the device may ignore a discard.
+ * Errors are ignored, as the device may ignore a discard.  Not after an
+ * abort since the first was queued: the transaction that freed them was
+ * rolled back, and they may be mapped again.
  */
 static void issue_passdowns(struct pool *pool)
 {
@@ -806,6 +811,10 @@ static void issue_passdowns(struct pool *pool)
 	lockdep_assert_held(&pool->commit_lock);
 	if (list_empty(&pool->passdowns))
 		return;
+	if (atomic_read(&pool->aborts) != pool->passdowns_aborts) {
+		free_passdowns(pool);
+		return;
+	}
 	blk_start_plug(&plug);
 	list_for_each_entry(pd, &pool->passdowns, list)
 		__blkdev_issue_discard(pool->data_bdev, pd->begin * spb,

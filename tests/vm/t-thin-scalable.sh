@@ -398,14 +398,14 @@ test_discard_isolation() {
 # commit after the discard (after the IO grace period; dmsetup status
 # commits), and only for blocks no other device still maps.
 test_discard_passdown() {
-	local t=/dev/mapper/tss-thin0
+	local t=/dev/mapper/tss-thin0 before
 	need_targets
 	brd_setup 3 512
 	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
 	dm_message tss-lower "create_thin 0"
-	dm_create tss-data "0 131072 thin /dev/mapper/tss-lower 0"
+	dm_create tss-data "0 524288 thin /dev/mapper/tss-lower 0"
 	dm_create tss-meta "0 131072 linear /dev/ram0 0"
-	dm_create tss-pool "0 131072 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	dm_create tss-pool "0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
 	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
@@ -425,6 +425,23 @@ test_discard_passdown() {
 	assert_eq 128 "$(pool_used tss-lower)" "blocks the lower pool maps after the discards"
 	assert_eq "$(part_sha a 0 4)" "$(dev_sha /dev/mapper/tss-snap 0 4)" "the snapshot's data"
 	assert_eq "$(part_sha a 12 4)" "$(dev_sha $t 12 4)" "the origin's data after the discard"
+
+	# 1024 discards of every other block of 128 MiB free as many runs of
+	# one block: more than the pool keeps waiting for the commit, so the
+	# discard that reaches the bound passes them down itself.
+	dm_message tss-pool "create_thin 2"
+	dm_create tss-thin2 "0 262144 $THIN_T /dev/mapper/tss-pool 2"
+	head -c 128M /dev/urandom >b
+	write_file b /dev/mapper/tss-thin2 0
+	before=$(pool_used tss-lower)
+	run_fio trims --filename=/dev/mapper/tss-thin2 --ioengine=psync --rw=trim:64k \
+		--bs=64k --size=128M
+	assert_eq $((128 + 1024)) "$(pool_used tss-pool)" "our blocks after 1024 discards"
+	assert_eq $((before - 1024)) "$(pool_used tss-lower)" "blocks the lower pool maps after 1024 discards"
+	assert_eq "$(part b 65536 65536 | md5sum | cut -d' ' -f1)" \
+		"$(dd if=/dev/mapper/tss-thin2 bs=64k skip=1 count=1 iflag=direct status=none | md5sum | cut -d' ' -f1)" \
+		"a block between the discarded ones"
+	dm_remove tss-thin2
 	dm_remove tss-snap
 	dm_remove tss-thin0
 	teardown_pool
