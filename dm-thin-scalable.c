@@ -2143,64 +2143,75 @@ static int pool_map(struct dm_target *ti, struct bio *bio)
 	return DM_MAPIO_REMAPPED;
 }
 
+/* What grows with a pool's devices: its data or its metadata space map. */
+struct pool_space {
+	const char *device;
+	const char *resize_op;
+	int (*get_size)(struct tsp_pool_metadata *pmd, tsp_block_t *result);
+	int (*resize)(struct tsp_pool_metadata *pmd, tsp_block_t new_size);
+};
+
+static const struct pool_space data_space = {
+	.device = "pool target",
+	.resize_op = "resize_data_dev",
+	.get_size = tsp_pool_get_data_block_count,
+	.resize = tsp_pool_resize_data_dev,
+};
+
+static const struct pool_space metadata_space = {
+	.device = "metadata device",
+	.resize_op = "resize_metadata_dev",
+	.get_size = tsp_pool_get_metadata_dev_size,
+	.resize = tsp_pool_resize_metadata_dev,
+};
+
 /*
- * Grow the pool to its table's length.  Shrinking is refused in every
- * mode; a pool that cannot write its metadata grows when it next can.
+ * Grow @space to @want blocks, and commit.  Shrinking is refused in
+ * every mode; a pool that cannot write its metadata grows when it next
+ * can.
  */
-static int resize_data(struct pool_c *pt)
+static int grow_space(struct pool *pool, const struct pool_space *space,
+		      tsp_block_t want)
 {
-	struct pool *pool = pt->pool;
-	tsp_block_t want = div_u64(pt->ti->len, pool->sectors_per_block);
 	tsp_block_t have;
 	int r;
 
-	r = tsp_pool_get_data_block_count(pool->pmd, &have);
+	r = space->get_size(pool->pmd, &have);
 	if (r)
 		return r;
 	if (want < have) {
-		DMERR("%s: pool target (%llu blocks) is smaller than before (%llu blocks)",
-		      dm_device_name(pool->pool_md), (unsigned long long)want,
-		      (unsigned long long)have);
+		DMERR("%s: %s (%llu blocks) is smaller than before (%llu blocks)",
+		      dm_device_name(pool->pool_md), space->device,
+		      (unsigned long long)want, (unsigned long long)have);
 		return -EINVAL;
 	}
 	if (want == have || pool_mode(pool) >= PM_READ_ONLY)
 		return 0;
 
-	r = tsp_pool_resize_data_dev(pool->pmd, want);
+	r = space->resize(pool->pmd, want);
 	if (r) {
-		metadata_failed(pool, "resize_data_dev", r);
+		metadata_failed(pool, space->resize_op, r);
 		return r;
 	}
 	return commit(pool);
 }
 
-/* Grow the metadata space map to the device; as resize_data(). */
-static int resize_metadata(struct pool_c *pt)
+/* Grow the pool to its table's length and to its metadata device's. */
+static int grow_pool(struct pool_c *pt)
 {
 	struct pool *pool = pt->pool;
-	tsp_block_t want = min_t(tsp_block_t, TSP_METADATA_MAX_BLOCKS,
-				 div_u64(bdev_nr_sectors(pt->metadata_dev->bdev),
-					 TSP_METADATA_BLOCK_SECTORS));
-	tsp_block_t have;
+	tsp_block_t metadata_blocks =
+		div_u64(bdev_nr_sectors(pt->metadata_dev->bdev),
+			TSP_METADATA_BLOCK_SECTORS);
 	int r;
 
-	r = tsp_pool_get_metadata_dev_size(pool->pmd, &have);
-	if (r)
-		return r;
-	if (want < have) {
-		DMERR("%s: metadata device (%llu blocks) is smaller than before (%llu blocks)",
-		      dm_device_name(pool->pool_md), (unsigned long long)want,
-		      (unsigned long long)have);
-		return -EINVAL;
-	}
-	if (want == have || pool_mode(pool) >= PM_READ_ONLY)
-		return 0;
-	r = tsp_pool_resize_metadata_dev(pool->pmd, want);
-	if (r) {
-		metadata_failed(pool, "resize_metadata_dev", r);
-		return r;
-	}
-	return commit(pool);
+	r = grow_space(pool, &data_space,
+		       div_u64(pt->ti->len, pool->sectors_per_block));
+	if (!r)
+		r = grow_space(pool, &metadata_space,
+			       min_t(tsp_block_t, TSP_METADATA_MAX_BLOCKS,
+				     metadata_blocks));
+	return r;
 }
 
 static void thin_put(struct thin_c *tc)
@@ -2300,9 +2311,7 @@ static int pool_preresume(struct dm_target *ti)
 
 	if (pool_mode(pool) == PM_FAIL)
 		return 0;
-	r = resize_data(pt);
-	if (!r)
-		r = resize_metadata(pt);
+	r = grow_pool(pt);
 	/*
 	 * A pool that failed meanwhile resumes, as dm-thin's: its IO is
 	 * then errored rather than held by a suspended device.
