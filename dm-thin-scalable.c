@@ -1784,7 +1784,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	r = tsp_pool_metadata_open(metadata_bdev, sectors_per_block,
 				   nr_data_blocks, format, &pool->pmd);
 	if (r) {
-		*error = "Error opening metadata block device";
+		*error = "Error creating metadata object";
 		kfree(pool);
 		return ERR_PTR(r);
 	}
