@@ -1990,10 +1990,6 @@ static void pool_dtr(struct dm_target *ti)
 }
 
 /*
- * thin-scal-pool <metadata dev> <data dev> <data block size (sectors)>
- *	<low water mark (blocks)> [<#feature args> [<arg>]*]
- */
-/*
  * Discards are passed down only to a data device that takes them whole
  * blocks at a time, as dm-thin decides.
  */
@@ -2015,6 +2011,10 @@ static void disable_passdown_if_unsupported(struct pool_c *pt)
 	}
 }
 
+/*
+ * thin-scal-pool <metadata dev> <data dev> <data block size (sectors)>
+ *	<low water mark (blocks)> [<#feature args> [<arg>]*]
+ */
 static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 {
 	struct dm_arg_set as = { .argc = argc, .argv = argv };

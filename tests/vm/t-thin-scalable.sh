@@ -309,8 +309,8 @@ test_discard() {
 	teardown_pool
 }
 
-discard_max_bytes() { # <dm device>
-	cat "/sys/dev/block/$(devno "$1")/queue/discard_max_bytes"
+queue_limit() { # <block device> <sysfs queue limit>
+	cat "/sys/dev/block/$(devno "$1")/queue/$2"
 }
 
 # With ignore_discard neither the pool nor its thin devices take discards
@@ -323,8 +323,8 @@ test_ignore_discard() {
 	make_pool 64 1 ignore_discard
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
-	assert_eq 0 "$(discard_max_bytes $t)" "thin discard_max_bytes with ignore_discard"
-	assert_eq 0 "$(discard_max_bytes /dev/mapper/tss-pool)" "pool discard_max_bytes with ignore_discard"
+	assert_eq 0 "$(queue_limit $t discard_max_bytes)" "thin discard_max_bytes with ignore_discard"
+	assert_eq 0 "$(queue_limit /dev/mapper/tss-pool discard_max_bytes)" "pool discard_max_bytes with ignore_discard"
 	head -c 1M /dev/urandom >a
 	write_file a $t 0
 	expect_fail blkdiscard -o 0 -l 1M $t
@@ -336,7 +336,7 @@ test_ignore_discard() {
 
 	dm_create tss-pool "$table 0"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
-	[ "$(discard_max_bytes $t)" -gt 0 ] || fail "thin device without discards"
+	[ "$(queue_limit $t discard_max_bytes)" -gt 0 ] || fail "thin device without discards"
 	expect_fail dmsetup reload tss-pool --table "$table 1 ignore_discard"
 	assert_eq "$(file_sha a)" "$(dev_sha $t 0 1)" "data written before"
 	blkdiscard -o 0 -l 1M $t
@@ -856,11 +856,6 @@ test_no_space() {
 
 # --- 7a. the pool's devices, as dm-thin checks them -------------------------
 
-# sysfs queue limit <name> of device-mapper device <dm name>.
-queue_limit() {
-	cat "/sys/dev/block/$(devno "/dev/mapper/$1")/queue/$2"
-}
-
 test_pool_devices() {
 	local mark meta_sectors=$((META_MIB * 2048)) pool_line d
 	need_targets
@@ -922,8 +917,8 @@ test_pool_devices() {
 	dm_create tss-pool "$pool_line"
 	dm_create tss-thin1 "0 2048 $THIN_T /dev/mapper/tss-pool 1"
 	for d in tss-pool tss-thin1; do
-		assert_eq 65536 "$(queue_limit $d minimum_io_size)" "minimum_io_size of $d"
-		assert_eq 131072 "$(queue_limit $d optimal_io_size)" "optimal_io_size of $d"
+		assert_eq 65536 "$(queue_limit /dev/mapper/$d minimum_io_size)" "minimum_io_size of $d"
+		assert_eq 131072 "$(queue_limit /dev/mapper/$d optimal_io_size)" "optimal_io_size of $d"
 	done
 	dm_remove tss-thin1
 	teardown_pool
