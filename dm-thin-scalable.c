@@ -110,6 +110,63 @@
 #define OPEN_READ_WRITE (FMODE_READ | FMODE_WRITE)
 #endif
 
+/*
+ * A pool's own reference to one of its devices (see struct pool): it
+ * keeps the block device alive and claims nothing.  The tables' opens
+ * (dm_get_device()) hold the exclusive claims and the access modes.
+ * bdev_ref_put() drops what bdev_ref_get() took, if it took anything.
+ */
+#if LINUX_VERSION_CODE >= KERNEL_VERSION(6, 9, 0)
+struct bdev_ref {
+	struct file *file;
+	struct block_device *bdev;
+};
+
+static int bdev_ref_get(struct bdev_ref *ref, dev_t dev)
+{
+	struct file *file;
+
+	file = bdev_file_open_by_dev(dev, BLK_OPEN_READ, NULL, NULL);
+	if (IS_ERR(file))
+		return PTR_ERR(file);
+	ref->file = file;
+	ref->bdev = file_bdev(file);
+	return 0;
+}
+
+static void bdev_ref_put(struct bdev_ref *ref)
+{
+	if (ref->file)
+		bdev_fput(ref->file);
+	ref->file = NULL;
+	ref->bdev = NULL;
+}
+#elif LINUX_VERSION_CODE < KERNEL_VERSION(6, 5, 0)
+struct bdev_ref {
+	struct block_device *bdev;
+};
+
+static int bdev_ref_get(struct bdev_ref *ref, dev_t dev)
+{
+	struct block_device *bdev;
+
+	bdev = blkdev_get_by_dev(dev, FMODE_READ, NULL);
+	if (IS_ERR(bdev))
+		return PTR_ERR(bdev);
+	ref->bdev = bdev;
+	return 0;
+}
+
+static void bdev_ref_put(struct bdev_ref *ref)
+{
+	if (ref->bdev)
+		blkdev_put(ref->bdev, FMODE_READ);
+	ref->bdev = NULL;
+}
+#else
+#error "kernels 6.5 to 6.8 are not supported (struct bdev_ref)"
+#endif
+
 #define COMMIT_PERIOD HZ
 #define JOB_HASH_BITS 8
 /*
@@ -187,9 +244,16 @@ struct pool_stats {
 struct pool {
 	struct list_head list;			/* pool_table */
 	struct mapped_device *pool_md;
-	dev_t metadata_devt;
-	dev_t data_devt;
 	int ref_count;				/* pool_table_mutex */
+	/*
+	 * The pool's devices, held from its creation to its destruction: a
+	 * pool outlives its tables while thin devices hold it, and its
+	 * metadata and IO path use the devices throughout.  Their table
+	 * opens alone would leave a pool without a table with pointers to
+	 * devices that may go, or be replaced under the same number.
+	 */
+	struct bdev_ref metadata_dev;
+	struct bdev_ref data_dev;
 
 	struct tsp_pool_metadata *pmd;
 	struct dm_kcopyd_client *copier;
@@ -206,7 +270,6 @@ struct pool {
 	 * under mode_lock; read by the IO path.
 	 */
 	struct dm_target *ti;
-	struct block_device *data_bdev;
 	struct pool_features pf;
 	bool table_error_if_no_space;		/* the table's, not the timeout's */
 	u32 sectors_per_block;
@@ -388,7 +451,7 @@ static void remap(struct pool *pool, struct bio *bio, tsp_block_t data_block)
 {
 	sector_t offset = block_offset(pool, bio->bi_iter.bi_sector);
 
-	bio_set_dev(bio, pool->data_bdev);
+	bio_set_dev(bio, pool->data_dev.bdev);
 	bio->bi_iter.bi_sector = data_block * pool->sectors_per_block + offset;
 }
 
@@ -817,7 +880,7 @@ static void issue_passdowns(struct pool *pool)
 	}
 	blk_start_plug(&plug);
 	list_for_each_entry(pd, &pool->passdowns, list)
-		__blkdev_issue_discard(pool->data_bdev, pd->begin * spb,
+		__blkdev_issue_discard(pool->data_dev.bdev, pd->begin * spb,
 				       (pd->end - pd->begin) * spb, GFP_NOIO,
 				       &bio);
 	if (bio) {
@@ -838,13 +901,11 @@ static int __commit(struct pool *pool)
 	if (pool_mode(pool) >= PM_READ_ONLY)
 		return -EPERM;
 
-	if (pool->data_bdev) {
-		r = blkdev_issue_flush(pool->data_bdev);
-		if (r) {
-			DMERR_LIMIT("%s: flushing the data device failed: %d",
-				    dm_device_name(pool->pool_md), r);
-			return r;
-		}
+	r = blkdev_issue_flush(pool->data_dev.bdev);
+	if (r) {
+		DMERR_LIMIT("%s: flushing the data device failed: %d",
+			    dm_device_name(pool->pool_md), r);
+		return r;
 	}
 	if (pool->freed_this_transaction) {
 		epoch_wait_grace_period(pool);
@@ -935,7 +996,7 @@ static void process_commit(struct worker *w)
 		} else {
 			/* Remapped already, or an empty flush for the data device. */
 			if (!bio_has_data(bio))
-				bio_set_dev(bio, pool->data_bdev);
+				bio_set_dev(bio, pool->data_dev.bdev);
 			submit_counted(pool, bio);
 		}
 	}
@@ -1057,14 +1118,14 @@ static void zero_endio(struct bio *bio)
 static void zero_range(struct pool *pool, struct job *job, sector_t sector,
 		       sector_t nr)
 {
-	bool offload = bdev_write_zeroes_sectors(pool->data_bdev);
+	bool offload = bdev_write_zeroes_sectors(pool->data_dev.bdev);
 	struct bio *bio;
 	sector_t len;
 
 	while (nr) {
 		if (offload) {
 			/* The block layer splits it to the device's limit. */
-			bio = bio_alloc_bioset(pool->data_bdev, 0,
+			bio = bio_alloc_bioset(pool->data_dev.bdev, 0,
 					       REQ_OP_WRITE_ZEROES, GFP_NOIO,
 					       &pool->zero_bios);
 			len = min_t(sector_t, nr, UINT_MAX >> SECTOR_SHIFT);
@@ -1073,7 +1134,7 @@ static void zero_range(struct pool *pool, struct job *job, sector_t sector,
 			sector += len;
 			nr -= len;
 		} else {
-			bio = bio_alloc_bioset(pool->data_bdev,
+			bio = bio_alloc_bioset(pool->data_dev.bdev,
 					       min_t(sector_t, DIV_ROUND_UP(nr, PAGE_SECTORS),
 						     BIO_MAX_VECS),
 					       REQ_OP_WRITE, GFP_NOIO, &pool->zero_bios);
@@ -1113,7 +1174,7 @@ static void zero_around(struct pool *pool, struct job *job)
 static struct dm_io_region block_region(struct pool *pool, tsp_block_t b)
 {
 	struct dm_io_region region = {
-		.bdev = pool->data_bdev,
+		.bdev = pool->data_dev.bdev,
 		.sector = b * pool->sectors_per_block,
 		.count = pool->sectors_per_block,
 	};
@@ -1741,7 +1802,7 @@ static void pool_destroy(struct pool *pool)
 {
 	cancel_delayed_work_sync(&pool->waker);
 	cancel_delayed_work_sync(&pool->no_space_timeout);
-	if (tsp_pool_metadata_close(pool->pmd) < 0)
+	if (pool->pmd && tsp_pool_metadata_close(pool->pmd) < 0)
 		DMWARN("%s: metadata close failed", __func__);
 	if (pool->copier)
 		dm_kcopyd_client_destroy(pool->copier);
@@ -1752,6 +1813,8 @@ static void pool_destroy(struct pool *pool)
 	kfree(pool->workers);
 	free_percpu(pool->epoch);
 	free_percpu(pool->stats);
+	bdev_ref_put(&pool->data_dev);
+	bdev_ref_put(&pool->metadata_dev);
 	kfree(pool);
 }
 
@@ -1768,6 +1831,7 @@ static void init_worker(struct worker *w, struct pool *pool)
 
 static struct pool *pool_create(struct mapped_device *pool_md,
 				struct block_device *metadata_bdev,
+				struct block_device *data_bdev,
 				tsp_block_t nr_data_blocks,
 				u32 sectors_per_block, bool format, char **error)
 {
@@ -1781,25 +1845,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		return ERR_PTR(-ENOMEM);
 	}
 
-	r = tsp_pool_metadata_open(metadata_bdev, sectors_per_block,
-				   nr_data_blocks, format, &pool->pmd);
-	if (r) {
-		*error = "Error creating metadata object";
-		kfree(pool);
-		return ERR_PTR(r);
-	}
-
-	r = tsp_pool_metadata_set_cache_budget(pool->pmd,
-					       (u64)cache_budget_mib << 20);
-	if (r) {
-		*error = "Error allocating the mapping cache";
-		tsp_pool_metadata_close(pool->pmd);
-		kfree(pool);
-		return ERR_PTR(r);
-	}
-
 	pool->pool_md = pool_md;
-	pool->metadata_devt = metadata_bdev->bd_dev;
 	pool->sectors_per_block = sectors_per_block;
 	pool->sectors_per_block_shift = is_power_of_2(sectors_per_block) ?
 					__ffs(sectors_per_block) : -1;
@@ -1815,6 +1861,26 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	INIT_DELAYED_WORK(&pool->waker, do_waker);
 	INIT_DELAYED_WORK(&pool->no_space_timeout, do_no_space_timeout);
 	atomic64_set(&pool->commits, 0);
+
+	r = bdev_ref_get(&pool->metadata_dev, metadata_bdev->bd_dev);
+	if (!r)
+		r = bdev_ref_get(&pool->data_dev, data_bdev->bd_dev);
+	if (r) {
+		*error = "Error taking the pool's own references to its devices";
+		goto bad;
+	}
+	r = tsp_pool_metadata_open(pool->metadata_dev.bdev, sectors_per_block,
+				   nr_data_blocks, format, &pool->pmd);
+	if (r) {
+		*error = "Error creating metadata object";
+		goto bad;
+	}
+	r = tsp_pool_metadata_set_cache_budget(pool->pmd,
+					       (u64)cache_budget_mib << 20);
+	if (r) {
+		*error = "Error allocating the mapping cache";
+		goto bad;
+	}
 
 	r = -ENOMEM;
 	pool->epoch = alloc_percpu(struct epoch_counts);
@@ -1880,8 +1946,8 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 
 	lockdep_assert_held(&pool_table_mutex);
 	list_for_each_entry(pool, &pool_table, list) {
-		bool same_metadata = pool->metadata_devt == metadata_bdev->bd_dev;
-		bool same_data = pool->data_devt == data_bdev->bd_dev;
+		bool same_metadata = pool->metadata_dev.bdev == metadata_bdev;
+		bool same_data = pool->data_dev.bdev == data_bdev;
 
 		if (pool->pool_md != pool_md) {
 			if (same_metadata) {
@@ -1915,12 +1981,10 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 		return pool;
 	}
 	/* A read-only pool never formats its metadata device. */
-	pool = pool_create(pool_md, metadata_bdev, nr_data_blocks,
+	pool = pool_create(pool_md, metadata_bdev, data_bdev, nr_data_blocks,
 			   sectors_per_block, pf->mode != PM_READ_ONLY, error);
-	if (!IS_ERR(pool)) {
-		pool->data_devt = data_bdev->bd_dev;
+	if (!IS_ERR(pool))
 		pool->pf.discard_enabled = pf->discard_enabled;
-	}
 	return pool;
 }
 
@@ -2096,8 +2160,6 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		goto out_free;
 	}
 
-	if (!pool->data_bdev)
-		pool->data_bdev = data_dev->bdev;	/* until preresume binds */
 	pt->ti = ti;
 	pt->pool = pool;
 	pt->metadata_dev = metadata_dev;
@@ -2283,7 +2345,6 @@ static int pool_preresume(struct dm_target *ti)
 	mutex_lock(&pool->mode_lock);
 	pool->ti = ti;
 	mutex_unlock(&pool->mode_lock);
-	pool->data_bdev = pt->data_dev->bdev;
 	pool->low_water_blocks = pt->low_water_blocks;
 	/* discard_enabled is the pool's own, set once (pool_find()). */
 	pool->pf.zero_new_blocks = pt->adjusted_pf.zero_new_blocks;

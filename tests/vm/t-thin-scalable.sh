@@ -924,6 +924,50 @@ test_pool_devices() {
 	teardown_pool
 }
 
+# --- 7b. a pool outlives its table while its thin devices hold it ----------
+
+# A pool whose table is replaced (here by an error table) lives on with
+# its thin devices, suspended, and keeps its metadata and data devices
+# open until it goes: neither can be removed (and its device number
+# reused) under it.  A pool table loaded again finds it, and its thin
+# devices go on.  (Stock dm-thin keeps raw pointers to the devices
+# instead: not tested there.)
+unbind_pool() { # replace tss-pool's table with an error table
+	dmsetup reload tss-pool --table "0 131072 error" ||
+		fail "loading an error table for the pool failed"
+	dmsetup resume tss-pool || fail "resuming the pool's error table failed"
+}
+
+test_pool_outlives_table() {
+	local t=/dev/mapper/tss-thin0 pool_line d
+	need_targets
+	make_pool 64 0
+	pool_line=$(dmsetup table tss-pool)
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 8M /dev/urandom >a
+	write_file a $t 0
+	unbind_pool
+	if ours; then
+		for d in tss-meta tss-data; do
+			assert_eq 1 "$(dmsetup info -c --noheadings -o open $d)" "open count of $d under a pool without a table"
+			expect_fail dmsetup remove $d
+		done
+	fi
+	dmsetup reload tss-pool --table "$pool_line" || fail "reloading the pool table failed"
+	dmsetup resume tss-pool || fail "resuming the pool table failed"
+	assert_eq "$(part_sha a 0 4)" "$(dev_sha $t 0 4)" "data written before the pool's table was replaced"
+	dd if=a of=$t bs=1M skip=4 seek=4 count=4 oflag=direct conv=notrunc status=none ||
+		fail "writing after the pool table came back failed"
+	assert_eq "$(file_sha a)" "$(dev_sha $t 0 8)" "data written after the pool table came back"
+
+	# The pool goes with its last thin device while it has no table: it
+	# lets go of its devices then (teardown_pool removes them).
+	unbind_pool
+	dm_remove tss-thin0
+	teardown_pool
+}
+
 # --- 8a. a pool's suspend suspends its thin devices ------------------------
 
 # As dm-thin's does: a thin device's IO waits while its pool is suspended
@@ -1141,6 +1185,7 @@ run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_no_space test_no_space
 run_test thin_scalable_pool_devices test_pool_devices
+run_test thin_scalable_pool_outlives_table test_pool_outlives_table
 run_test thin_scalable_pool_suspend test_pool_suspend
 run_test thin_scalable_read_only_reload test_read_only_reload
 run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
