@@ -620,7 +620,26 @@ static int end_update(struct tsp_pool_metadata *pmd, int r)
 	return r;
 }
 
-int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
+/**
+ * tsp_pool_commit_metadata_then - commit, then run @fn before any update
+ * @pmd: pool metadata
+ * @fn: called once the commit has succeeded (or found nothing to commit);
+ *	may be NULL
+ * @context: @fn's argument
+ *
+ * @fn runs with @root_lock still held for writing, so no update of the
+ * next transaction (an allocation above all) comes between the commit and
+ * the end of @fn: the pool discards the data blocks the committed
+ * transaction freed there, before any can be handed out again.  @fn must
+ * not call into the metadata.
+ *
+ * Context: may sleep (takes @root_lock for writing).
+ *
+ * Return: 0; -EPERM if the metadata is read only or failed; or the
+ * commit's error, after which the metadata fails until aborted.
+ */
+int tsp_pool_commit_metadata_then(struct tsp_pool_metadata *pmd,
+				  void (*fn)(void *context), void *context)
 {
 	int r = begin_update(pmd);
 
@@ -629,8 +648,15 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
 	r = pmd->changed ? __commit_transaction(pmd) : 0;
 	if (r)
 		__fail_io(pmd);
+	else if (fn)
+		fn(context);
 	up_write(&pmd->root_lock);
 	return r;
+}
+
+int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
+{
+	return tsp_pool_commit_metadata_then(pmd, NULL, NULL);
 }
 
 static int __device_root(struct tsp_thin_device *td, tsp_block_t *root);

@@ -45,8 +45,10 @@
  * the current transaction.  A commit of a transaction that freed blocks
  * first waits for every IO that entered an epoch before the commit
  * started: an IO remapped through a stale cache entry finishes before its
- * block can be reused.  Only then does it pass down to the data device
- * the discards of blocks that discards freed.
+ * block can be reused.  Blocks that discards freed are discarded on the
+ * data device (passed down) once the metadata commit has succeeded, so
+ * that no abort maps them again, and before the next transaction can
+ * allocate them (issue_passdowns()).
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
  * bio that depends on uncommitted mappings is issued (or completed) only
@@ -178,7 +180,8 @@ static void bdev_ref_put(struct bdev_ref *ref)
 #define MAX_WORKERS 64
 /*
  * Runs of freed blocks waiting to be passed down, at most: more, and the
- * discard that freed them passes them down itself (process_discard()).
+ * discard that freed them commits, which passes them down
+ * (process_discard()).
  */
 #define MAX_PASSDOWNS 1024
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
@@ -857,15 +860,18 @@ static void free_passdowns(struct pool *pool)
 }
 
 /*
- * Discard the queued runs on the data device, all at once, and wait:
- * after the IO grace period (no IO reads them any more) and before the
- * commit makes them free for reuse (no discard lands on new data).
- * Errors are ignored, as the device may ignore a discard.  Not after an
- * abort since the first was queued: the transaction that freed them was
- * rolled back, and they may be mapped again.
+ * Discard the queued runs on the data device, all at once, and wait.  The
+ * commit of the transaction that freed them calls this (through
+ * tsp_pool_commit_metadata_then()): after the IO grace period, so no IO
+ * reads them any more; after the metadata commit, so no abort can map
+ * them again; and before the next transaction can allocate them, so no
+ * discard lands on new data.  Errors are ignored, as the device may
+ * ignore a discard.  Not after an abort since the first was queued: the
+ * transaction that freed them was rolled back.
  */
-static void issue_passdowns(struct pool *pool)
+static void issue_passdowns(void *context)
 {
+	struct pool *pool = context;
 	sector_t spb = pool->sectors_per_block;
 	struct passdown *pd;
 	struct bio *bio = NULL;
@@ -909,11 +915,11 @@ static int __commit(struct pool *pool)
 	}
 	if (pool->freed_this_transaction) {
 		epoch_wait_grace_period(pool);
-		issue_passdowns(pool);
 		pool->freed_this_transaction = false;
 	}
-	r = tsp_pool_commit_metadata(pool->pmd);
+	r = tsp_pool_commit_metadata_then(pool->pmd, issue_passdowns, pool);
 	if (r) {
+		free_passdowns(pool);	/* the abort maps them again */
 		metadata_failed(pool, "commit", r);
 		return r;
 	}
@@ -1608,13 +1614,12 @@ static void process_discard(struct worker *w, struct thin_c *tc,
 				if (!r && !count)
 					defer_passdown(pool, pb + b);
 			}
-			/*
-			 * Bound the list: the blocks stay unusable until the
-			 * commit, so they may be discarded once no IO uses them.
-			 */
-			if (pool->nr_passdowns >= MAX_PASSDOWNS) {
-				epoch_wait_grace_period(pool);
-				issue_passdowns(pool);
+			/* Bound the list: the commit passes them down. */
+			if (pool->nr_passdowns >= MAX_PASSDOWNS &&
+			    __commit(pool)) {
+				mutex_unlock(&pool->commit_lock);
+				bio_io_error(bio);	/* __commit() dealt with it */
+				return;
 			}
 		}
 		begin_b = te;

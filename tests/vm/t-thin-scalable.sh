@@ -428,7 +428,7 @@ test_discard_passdown() {
 
 	# 1024 discards of every other block of 128 MiB free as many runs of
 	# one block: more than the pool keeps waiting for the commit, so the
-	# discard that reaches the bound passes them down itself.
+	# discard that reaches the bound commits, which passes them down.
 	dm_message tss-pool "create_thin 2"
 	dm_create tss-thin2 "0 262144 $THIN_T /dev/mapper/tss-pool 2"
 	head -c 128M /dev/urandom >b
@@ -484,6 +484,56 @@ test_zeroing_offload() {
 	check_meta /dev/ram0
 	losetup -d "$loop"
 	umount wz
+}
+
+# --- 4c. a commit that fails passes nothing down ----------------------------
+
+# Blocks that discards free are passed down only once the commit that
+# frees them has succeeded.  When it fails, the pool's last committed
+# metadata maps them still, and their data must be there.  (Stock dm-thin
+# passes them down before the commit: not tested there.)
+test_passdown_failed_commit() {
+	local t=/dev/mapper/tss-thin0 used
+	local meta_line="0 131072 linear /dev/ram0 0"
+	local pool_line="0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	need_targets
+	ours || skip "dm-thin passes discards down before their commit"
+	brd_setup 3 512
+	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
+	dm_message tss-lower "create_thin 0"
+	dm_create tss-data "0 524288 thin /dev/mapper/tss-lower 0"
+	dm_create tss-meta "$meta_line"
+	dm_create tss-pool "$pool_line"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 4M /dev/urandom >a
+	write_file a $t 0
+	dm_status tss-pool >/dev/null	# commits
+	used=$(pool_used tss-lower)
+
+	# Fail the metadata device's IO, then discard it all: the discard
+	# works in the metadata in core, and the commit that would free its
+	# blocks (the next, whether the waker's or the status line's) fails.
+	dmsetup reload tss-meta --table "0 131072 error"
+	dmsetup resume tss-meta
+	blkdiscard -o 0 -l $((4 << 20)) $t || fail "the discard failed"
+	dm_status tss-pool >/dev/null
+	[ "$(dm_status tss-pool | cut -d' ' -f2)" = Fail ] ||
+		fail "the pool did not fail with its metadata device: $(dm_status tss-pool)"
+	assert_eq "$used" "$(pool_used tss-lower)" "blocks the lower pool maps after a failed commit"
+	dm_remove tss-thin0
+	dm_remove tss-pool
+	dmsetup reload tss-meta --table "$meta_line"
+	dmsetup resume tss-meta
+	check_meta
+
+	dm_create tss-pool "$pool_line"
+	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	assert_eq "$(file_sha a)" "$(dev_sha $t 0 4)" "data of blocks whose discard was rolled back"
+	dm_remove tss-thin0
+	teardown_pool
+	dm_remove tss-lower
+	check_meta /dev/ram1
 }
 
 # --- 4b. data device errors --------------------------------------------------
@@ -1179,6 +1229,7 @@ run_test thin_scalable_discard test_discard
 run_test thin_scalable_ignore_discard test_ignore_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_discard_passdown test_discard_passdown
+run_test thin_scalable_passdown_failed_commit test_passdown_failed_commit
 run_test thin_scalable_zeroing_offload test_zeroing_offload
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
