@@ -620,43 +620,61 @@ static int end_update(struct tsp_pool_metadata *pmd, int r)
 	return r;
 }
 
-/**
- * tsp_pool_commit_metadata_then - commit, then run @fn before any update
- * @pmd: pool metadata
- * @fn: called once the commit has succeeded (or found nothing to commit);
- *	may be NULL
- * @context: @fn's argument
- *
- * @fn runs with @root_lock still held for writing, so no update of the
- * next transaction (an allocation above all) comes between the commit and
- * the end of @fn: the pool discards the data blocks the committed
- * transaction freed there, before any can be handed out again.  @fn must
- * not call into the metadata.
- *
- * Context: may sleep (takes @root_lock for writing).
- *
- * Return: 0; -EPERM if the metadata is read only or failed; or the
- * commit's error, after which the metadata fails until aborted.
- */
-int tsp_pool_commit_metadata_then(struct tsp_pool_metadata *pmd,
-				  void (*fn)(void *context), void *context)
+static int commit_metadata(struct tsp_pool_metadata *pmd, bool hold_freed)
 {
 	int r = begin_update(pmd);
 
 	if (r)
 		return r;
-	r = pmd->changed ? __commit_transaction(pmd) : 0;
+	if (pmd->changed) {
+		if (hold_freed)
+			tsp_data_sm_hold_freed(pmd->data_sm);
+		r = __commit_transaction(pmd);
+	}
 	if (r)
 		__fail_io(pmd);
-	else if (fn)
-		fn(context);
 	up_write(&pmd->root_lock);
 	return r;
 }
 
 int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
 {
-	return tsp_pool_commit_metadata_then(pmd, NULL, NULL);
+	return commit_metadata(pmd, false);
+}
+
+/**
+ * tsp_pool_commit_metadata_hold_freed - commit, holding back freed blocks
+ * @pmd: pool metadata
+ *
+ * As tsp_pool_commit_metadata(), but the data blocks this transaction
+ * freed are not handed out again until tsp_pool_release_held_blocks(),
+ * in this transaction or a later one: the pool discards them on the data
+ * device in between, once the commit has made them free for good (no
+ * abort maps them again) and before any can hold new data.  An abort
+ * releases them.
+ *
+ * Context: may sleep (takes @root_lock for writing).
+ *
+ * Return: 0; -EPERM if the metadata is read only or failed; or the
+ * commit's error, after which the metadata fails until aborted.
+ */
+int tsp_pool_commit_metadata_hold_freed(struct tsp_pool_metadata *pmd)
+{
+	return commit_metadata(pmd, true);
+}
+
+/**
+ * tsp_pool_release_held_blocks - end tsp_pool_commit_metadata_hold_freed()
+ * @pmd: pool metadata
+ *
+ * Context: may sleep (takes @root_lock for writing).
+ */
+void tsp_pool_release_held_blocks(struct tsp_pool_metadata *pmd)
+{
+	down_write(&pmd->root_lock);
+	if (pmd->data_sm)
+		tsp_data_sm_release_held(pmd->data_sm);
+	up_write(&pmd->root_lock);
 }
 
 static int __device_root(struct tsp_thin_device *td, tsp_block_t *root);

@@ -74,9 +74,8 @@ int __must_check tsp_pool_delete_thin_device(struct tsp_pool_metadata *pmd,
 					     tsp_thin_id dev);
 
 int __must_check tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd);
-int __must_check tsp_pool_commit_metadata_then(struct tsp_pool_metadata *pmd,
-					       void (*fn)(void *context),
-					       void *context);
+int __must_check tsp_pool_commit_metadata_hold_freed(struct tsp_pool_metadata *pmd);
+void tsp_pool_release_held_blocks(struct tsp_pool_metadata *pmd);
 /* Drop every change since the last commit; leaves the failed state. */
 int __must_check tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd);
 /*

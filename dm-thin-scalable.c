@@ -47,8 +47,8 @@
  * started: an IO remapped through a stale cache entry finishes before its
  * block can be reused.  Blocks that discards freed are discarded on the
  * data device (passed down) once the metadata commit has succeeded, so
- * that no abort maps them again, and before the next transaction can
- * allocate them (issue_passdowns()).
+ * that no abort maps them again, while the metadata holds them back from
+ * allocation (issue_passdowns()).
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
  * bio that depends on uncommitted mappings is issued (or completed) only
@@ -861,17 +861,15 @@ static void free_passdowns(struct pool *pool)
 
 /*
  * Discard the queued runs on the data device, all at once, and wait.  The
- * commit of the transaction that freed them calls this (through
- * tsp_pool_commit_metadata_then()): after the IO grace period, so no IO
- * reads them any more; after the metadata commit, so no abort can map
- * them again; and before the next transaction can allocate them, so no
- * discard lands on new data.  Errors are ignored, as the device may
- * ignore a discard.  Not after an abort since the first was queued: the
- * transaction that freed them was rolled back.
+ * commit of the transaction that freed them calls this: after the IO
+ * grace period, so no IO reads them any more; after the metadata commit,
+ * so no abort can map them again; and while the metadata still holds
+ * them back from allocation, so no discard lands on new data.  Errors are
+ * ignored, as the device may ignore a discard.  Not after an abort since
+ * the first was queued: the transaction that freed them was rolled back.
  */
-static void issue_passdowns(void *context)
+static void issue_passdowns(struct pool *pool)
 {
-	struct pool *pool = context;
 	sector_t spb = pool->sectors_per_block;
 	struct passdown *pd;
 	struct bio *bio = NULL;
@@ -899,6 +897,7 @@ static void issue_passdowns(void *context)
 
 static int __commit(struct pool *pool)
 {
+	bool pass_down;
 	int r;
 
 	lockdep_assert_held(&pool->commit_lock);
@@ -917,11 +916,17 @@ static int __commit(struct pool *pool)
 		epoch_wait_grace_period(pool);
 		pool->freed_this_transaction = false;
 	}
-	r = tsp_pool_commit_metadata_then(pool->pmd, issue_passdowns, pool);
+	pass_down = !list_empty(&pool->passdowns);
+	r = pass_down ? tsp_pool_commit_metadata_hold_freed(pool->pmd) :
+			tsp_pool_commit_metadata(pool->pmd);
 	if (r) {
 		free_passdowns(pool);	/* the abort maps them again */
 		metadata_failed(pool, "commit", r);
 		return r;
+	}
+	if (pass_down) {
+		issue_passdowns(pool);
+		tsp_pool_release_held_blocks(pool->pmd);
 	}
 	atomic64_inc(&pool->commits);
 	check_metadata_space(pool);
@@ -1618,7 +1623,7 @@ static void process_discard(struct worker *w, struct thin_c *tc,
 			if (pool->nr_passdowns >= MAX_PASSDOWNS &&
 			    __commit(pool)) {
 				mutex_unlock(&pool->commit_lock);
-				bio_io_error(bio);	/* __commit() dealt with it */
+				bio_io_error(bio);	/* __commit() logged it */
 				return;
 			}
 		}

@@ -13,6 +13,11 @@
  * it commits).  That covers every block the last commit had in use and
  * this transaction freed, and also one allocated and freed since.
  *
+ * The caller may hold the blocks freed so far back from allocation past
+ * the commit, until it releases them (tsp_data_sm_hold_freed()): the pool
+ * discards them on the data device after the commit that frees them, and
+ * none may be reused before the discard is done.
+ *
  * An index entry's nr_free counts, as dm-thin's does, every free entry
  * of its bitmap block, also those past the end of the device: dm-thin
  * gives a new bitmap all its entries as free, and when it grows the
@@ -51,6 +56,7 @@ struct tsp_data_sm {
 	struct tsp_index_entry *index;
 	u8 *dirty;				/* index entry changed */
 	u64 **freed;	/* per bitmap, NULL or a bit per entry freed now */
+	u64 **held;	/* the same, for entries held past their commit */
 	u8 *counted;				/* nr_free known exact */
 	/*
 	 * Where allocation searches first: below it in its bitmap every
@@ -144,17 +150,19 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 {
 	struct tsp_index_entry *index;
 	u8 *dirty, *counted;
-	u64 **freed;
+	u64 **freed, **held;
 
 	index = kvcalloc(nr, sizeof(*index), GFP_KERNEL);
 	dirty = kvzalloc(nr, GFP_KERNEL);
 	counted = kvzalloc(nr, GFP_KERNEL);
 	freed = kvcalloc(nr, sizeof(*freed), GFP_KERNEL);
-	if (!index || !dirty || !counted || !freed) {
+	held = kvcalloc(nr, sizeof(*held), GFP_KERNEL);
+	if (!index || !dirty || !counted || !freed || !held) {
 		kvfree(index);
 		kvfree(dirty);
 		kvfree(counted);
 		kvfree(freed);
+		kvfree(held);
 		return -ENOMEM;
 	}
 	if (sm->index) {
@@ -162,27 +170,30 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 		memcpy(dirty, sm->dirty, sm->nr_bitmaps);
 		memcpy(counted, sm->counted, sm->nr_bitmaps);
 		memcpy(freed, sm->freed, sm->nr_bitmaps * sizeof(*freed));
+		memcpy(held, sm->held, sm->nr_bitmaps * sizeof(*held));
 		kvfree(sm->index);
 		kvfree(sm->dirty);
 		kvfree(sm->counted);
 		kvfree(sm->freed);
+		kvfree(sm->held);
 	}
 	sm->index = index;
 	sm->dirty = dirty;
 	sm->counted = counted;
 	sm->freed = freed;
+	sm->held = held;
 	sm->nr_bitmaps = nr;
 	return 0;
 }
 
-/* A new transaction: no block has been freed in it yet. */
-static void forget_freed(struct tsp_data_sm *sm)
+/* Empty a set of entries (sm->freed or sm->held). */
+static void forget_entries(struct tsp_data_sm *sm, u64 **set)
 {
 	u64 i;
 
 	for (i = 0; i < sm->nr_bitmaps; i++) {
-		kfree(sm->freed[i]);
-		sm->freed[i] = NULL;
+		kfree(set[i]);
+		set[i] = NULL;
 	}
 }
 
@@ -198,20 +209,65 @@ static int mark_freed(struct tsp_data_sm *sm, u64 i, u32 pos)
 	return 0;
 }
 
-static bool freed_now(const struct tsp_data_sm *sm, u64 i, u32 pos)
+static bool in_set(u64 **set, u64 i, u32 pos)
 {
-	return sm->freed[i] && (sm->freed[i][pos / 64] >> (pos % 64)) & 1;
+	return set[i] && (set[i][pos / 64] >> (pos % 64)) & 1;
 }
 
 void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 {
-	if (sm->freed)
-		forget_freed(sm);
+	if (sm->index) {
+		forget_entries(sm, sm->freed);
+		forget_entries(sm, sm->held);
+	}
 	kvfree(sm->index);
 	kvfree(sm->dirty);
 	kvfree(sm->counted);
 	kvfree(sm->freed);
+	kvfree(sm->held);
 	kfree(sm);
+}
+
+/**
+ * tsp_data_sm_hold_freed - keep the blocks freed so far from allocation
+ * @sm: space map
+ *
+ * The blocks freed in this transaction stay out of allocation past its
+ * commit, until tsp_data_sm_release_held(), together with any still held
+ * from before.  Allocates nothing.
+ */
+void tsp_data_sm_hold_freed(struct tsp_data_sm *sm)
+{
+	u64 i;
+	u32 w;
+
+	for (i = 0; i < sm->nr_bitmaps; i++) {
+		if (!sm->freed[i])
+			continue;
+		if (!sm->held[i]) {
+			sm->held[i] = sm->freed[i];
+		} else {
+			for (w = 0; w < FREED_WORDS; w++)
+				sm->held[i][w] |= sm->freed[i][w];
+			kfree(sm->freed[i]);
+		}
+		sm->freed[i] = NULL;
+	}
+}
+
+/**
+ * tsp_data_sm_release_held - let allocation have the held blocks again
+ * @sm: space map
+ *
+ * Those freed in this transaction since they were held still wait for
+ * its commit.  Allocation searches from the start again, as after a
+ * commit, to reuse them first.
+ */
+void tsp_data_sm_release_held(struct tsp_data_sm *sm)
+{
+	forget_entries(sm, sm->held);
+	sm->alloc_cursor = 0;
+	forget_free_run(sm);
 }
 
 /**
@@ -520,11 +576,15 @@ int tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b)
 	return set_count(sm, b, old, old - 1);
 }
 
-/* Entry @j of bitmap @i, whose block is @bitmap, is free and not freed now. */
+/*
+ * Entry @j of bitmap @i, whose block is @bitmap, is free, not freed now
+ * and not held.
+ */
 static bool allocatable(struct tsp_data_sm *sm, u64 i, struct tsp_block *bitmap,
 			u32 j)
 {
-	return !tsp_bitmap_get(tsp_block_data(bitmap), j) && !freed_now(sm, i, j);
+	return !tsp_bitmap_get(tsp_block_data(bitmap), j) &&
+	       !in_set(sm->freed, i, j) && !in_set(sm->held, i, j);
 }
 
 /*
@@ -659,7 +719,7 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 	}
 	sm->alloc_cursor = 0;
 	forget_free_run(sm);
-	forget_freed(sm);
+	forget_entries(sm, sm->freed);
 
 	memset(root, 0, TSP_SM_ROOT_SIZE);
 	disk_root.nr_blocks = cpu_to_le64(sm->nr_blocks);

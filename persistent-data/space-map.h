@@ -42,6 +42,8 @@ int __must_check tsp_data_sm_extend(struct tsp_data_sm *sm,
 				    tsp_block_t nr_blocks);
 /* Write what changed; fills @root (TSP_SM_ROOT_SIZE bytes). */
 int __must_check tsp_data_sm_commit(struct tsp_data_sm *sm, void *root);
+void tsp_data_sm_hold_freed(struct tsp_data_sm *sm);
+void tsp_data_sm_release_held(struct tsp_data_sm *sm);
 
 /*
  * For checkers: call @fn for every metadata block the space map occupies

@@ -26,10 +26,8 @@
  *                failed commit make it miss; snapshots make old mappings
  *                shared; find_block and find_mapped_range fill; the cache
  *                can be replaced (set_cache_budget) under fast lookups
- *   commit_then  tsp_pool_commit_metadata_then() runs its function once
- *                after a commit that succeeded or had nothing to do,
- *                never after one that failed or was refused, and before
- *                an allocation another thread asked for meanwhile
+ *   hold_freed   blocks freed before tsp_pool_commit_metadata_hold_freed()
+ *                stay out of allocation until released, or an abort
  *
  * Every group checks that it leaves no allocation behind (after
  * rcu_barrier(), which in userspace runs the queued kfree_rcu()s).  The
@@ -931,79 +929,45 @@ static void test_metadata(void)
 	printf("ok   %s\n", phase);
 }
 
-struct commit_then {
-	struct pool *p;
-	int calls;
-	bool race;		/* start an allocation from within the call */
-	bool in_call;		/* atomic: the call is running */
-	bool allocated_in_call;	/* atomic: the allocation returned then */
-	pthread_t thread;
-};
-
-static void *commit_then_alloc(void *arg)
-{
-	struct commit_then *ct = arg;
-	tsp_block_t b;
-
-	CHECK_R(tsp_pool_alloc_data_block(ct->p->pmd, &b), 0);
-	if (__atomic_load_n(&ct->in_call, __ATOMIC_SEQ_CST))
-		__atomic_store_n(&ct->allocated_in_call, true, __ATOMIC_SEQ_CST);
-	return NULL;
-}
-
 /*
- * The function a commit runs: when racing, it starts an allocation on
- * another thread and gives it 100 ms, in which it must not return.
+ * The pool's passdowns: blocks a commit frees stay out of allocation
+ * until released, and an abort releases them.  A fresh pool allocates
+ * from block 0 up.
  */
-static void commit_then_call(void *context)
+static void test_hold_freed(void)
 {
-	struct commit_then *ct = context;
-
-	ct->calls++;
-	if (!ct->race)
-		return;
-	__atomic_store_n(&ct->in_call, true, __ATOMIC_SEQ_CST);
-	CHECK(!pthread_create(&ct->thread, NULL, commit_then_alloc, ct));
-	usleep(100 * 1000);
-	__atomic_store_n(&ct->in_call, false, __ATOMIC_SEQ_CST);
-}
-
-static void test_commit_then(void)
-{
+	struct tsp_thin_device *td;
 	struct pool p;
-	struct commit_then ct = { .p = &p };
-	tsp_block_t b;
+	tsp_block_t b, v;
 
-	phase = "commit_then";
+	phase = "hold_freed";
 	pool_create(&p);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 1), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td), 0);
+	for (v = 0; v < 10; v++) {
+		CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+		CHECK_R(b, v);
+		CHECK_R(tsp_thin_insert_block(td, v, b), 0);
+	}
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 
+	CHECK_R(tsp_thin_remove_range(td, 0, 2), 0);
+	CHECK_R(tsp_pool_commit_metadata_hold_freed(p.pmd), 0);
 	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
-	CHECK_R(tsp_pool_commit_metadata_then(p.pmd, commit_then_call, &ct), 0);
-	CHECK_R(ct.calls, 1);
-	/* Nothing to commit: the call still runs. */
-	CHECK_R(tsp_pool_commit_metadata_then(p.pmd, commit_then_call, &ct), 0);
-	CHECK_R(ct.calls, 2);
-
-	/* An allocation asked for during the call waits for its end. */
+	CHECK_R(b, 10);
+	tsp_pool_release_held_blocks(p.pmd);
 	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
-	ct.race = true;
-	CHECK_R(tsp_pool_commit_metadata_then(p.pmd, commit_then_call, &ct), 0);
-	CHECK(!pthread_join(ct.thread, NULL));
-	CHECK_R(ct.calls, 3);
-	CHECK(!__atomic_load_n(&ct.allocated_in_call, __ATOMIC_SEQ_CST));
-	ct.race = false;
+	CHECK_R(b, 0);
 
-	/* A failed commit, then a refused one: no call. */
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	CHECK_R(tsp_thin_remove_range(td, 2, 3), 0);
+	CHECK_R(tsp_pool_commit_metadata_hold_freed(p.pmd), 0);
+	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
 	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
-	tsp_bdev_crash_at(p.bdev, tsp_bdev_events(p.bdev));
-	CHECK(tsp_pool_commit_metadata_then(p.pmd, commit_then_call, &ct) < 0);
-	CHECK_R(tsp_pool_commit_metadata_then(p.pmd, commit_then_call, &ct), -EPERM);
-	CHECK_R(ct.calls, 3);
-	CHECK_R(tsp_bdev_crash_apply(p.bdev, TSP_CRASH_DROP_VOLATILE), 0);
+	CHECK(b == 1 || b == 2);
 
-	tsp_pool_metadata_close(p.pmd);
-	tsp_bdev_close(p.bdev);
-	unlink(p.path);
+	tsp_pool_close_thin_device(td);
+	pool_destroy(&p);
 	check_no_leaks();
 	printf("ok   %s\n", phase);
 }
@@ -1135,7 +1099,7 @@ int main(int argc, char **argv)
 	test_model();
 	test_concurrency();
 	test_metadata();
-	test_commit_then();
+	test_hold_freed();
 	test_metadata_concurrent();
 	tsp_user_rcu_unregister_thread();
 	return 0;

@@ -10,7 +10,9 @@
  * count, the free count, each index entry against its bitmap
  * (tsp_data_sm_check_index), and the metadata blocks the map occupies with
  * the metadata space map's counts exactly.  Also: blocks freed in a
- * transaction are not handed out before the commit; -ENOSPC when full;
+ * transaction are not handed out before the commit, nor those held at a
+ * commit (tsp_data_sm_hold_freed) before they are released, across an
+ * extend too; -ENOSPC when full;
  * dec of a free block and blocks beyond the end are errors; extend keeps
  * the counts; commit and reopen from the root (tsp_data_sm_open) give the
  * same counts, and dropping a transaction gives the committed ones;
@@ -596,6 +598,41 @@ static void test_reuse_in_transaction(void)
 	printf("ok   %s\n", phase);
 }
 
+/*
+ * Blocks freed before tsp_data_sm_hold_freed() stay out of allocation
+ * past the commit, until released; those freed after it do not.
+ */
+static void test_hold_freed(void)
+{
+	struct ctx *c = ctx_create(256, 10);
+	tsp_block_t b, i;
+
+	phase = "held freed blocks";
+	for (i = 0; i < 10; i++)
+		CHECK_R(op_new(c, NULL), 0);
+	commit(c);
+	CHECK_R(op_dec(c, 3), 0);
+	tsp_data_sm_hold_freed(c->sm);
+	CHECK_R(op_dec(c, 7), 0);
+	commit(c);
+	CHECK_R(op_new(c, &b), 0);
+	CHECK_R(b, 7);
+	CHECK_R(op_new(c, &b), -ENOSPC);	/* 3 is held */
+
+	/* Held across an extend, and released. */
+	CHECK_R(tsp_data_sm_extend(c->sm, ENTRIES_PER_BITMAP + 10), 0);
+	model_resize(c, ENTRIES_PER_BITMAP + 10);
+	CHECK_R(op_new(c, &b), 0);
+	CHECK_R(b, 10);
+	tsp_data_sm_release_held(c->sm);
+	CHECK_R(op_new(c, &b), 0);
+	CHECK_R(b, 3);
+	verify(c);
+	commit(c);
+	ctx_destroy(c);
+	printf("ok   %s\n", phase);
+}
+
 static void test_extend(void)
 {
 	tsp_block_t sizes[] = { 100, 101, ENTRIES_PER_BITMAP - 1,
@@ -805,6 +842,7 @@ int main(int argc, char **argv)
 	bufio_base = tsp_bufio_live_allocs();
 
 	test_reuse_in_transaction();
+	test_hold_freed();
 	test_full();
 	test_extend();
 	test_low_nr_free();

@@ -504,6 +504,7 @@ test_passdown_failed_commit() {
 	dm_create tss-data "0 524288 thin /dev/mapper/tss-lower 0"
 	dm_create tss-meta "$meta_line"
 	dm_create tss-pool "$pool_line"
+	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
 	head -c 4M /dev/urandom >a
@@ -517,6 +518,7 @@ test_passdown_failed_commit() {
 	dmsetup reload tss-meta --table "0 131072 error"
 	dmsetup resume tss-meta
 	blkdiscard -o 0 -l $((4 << 20)) $t || fail "the discard failed"
+	assert_eq "0 -" "$(dm_status tss-thin0)" "thin status after the discard"
 	dm_status tss-pool >/dev/null
 	[ "$(dm_status tss-pool | cut -d' ' -f2)" = Fail ] ||
 		fail "the pool did not fail with its metadata device: $(dm_status tss-pool)"
