@@ -26,6 +26,14 @@ POOL_WORKERS=/sys/module/$TSS_MODULE/parameters/pool_workers
 if [ -w "$POOL_WORKERS" ]; then
 	echo "${TSS_POOL_WORKERS:-0}" >"$POOL_WORKERS"
 fi
+# And they hand the bios of every batch of two provisions or more to the
+# CPUs that mapped them (handover_min_batch=2; the module's default is 64,
+# which only oversubscribed runs reach), so that both ways of ending a
+# batch's bios run.
+HANDOVER_MIN_BATCH=/sys/module/$TSS_MODULE/parameters/handover_min_batch
+if [ -w "$HANDOVER_MIN_BATCH" ]; then
+	echo 2 >"$HANDOVER_MIN_BATCH"
+fi
 expected_workers() { # what the "stats" message should say
 	local n=${TSS_POOL_WORKERS:-0} cpus
 	cpus=$(getconf _NPROCESSORS_ONLN)

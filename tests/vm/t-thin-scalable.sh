@@ -1118,6 +1118,13 @@ test_concurrent_fio_snapshot() {
 	dmsetup resume tss-thin0
 	wait $pid || { cat fio.log; fail "fio with verify failed"; }
 	grep -E 'err=|WRITE:|READ:' fio.log | sed 's/^/      /'
+	if ours; then
+		# Batches of provisions ended on their submitters' CPUs.
+		s=$(dmsetup message tss-pool 0 stats)
+		[[ $s =~ handed_over_ios\ ([0-9]+) ]] || fail "stats: no handed_over_ios: '$s'"
+		log "bios ended on their submitters' CPUs: ${BASH_REMATCH[1]}"
+		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "no bio was handed over: '$s'"
+	fi
 
 	# Full verify pass again, reading only.
 	fio --name=d0 --filename=/dev/mapper/tss-thin0 --direct=1 --ioengine=libaio "${fio_args[@]}" --verify_only \
