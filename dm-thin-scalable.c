@@ -214,13 +214,13 @@ MODULE_PARM_DESC(pool_workers,
 		 "Workers per pool, each owning part of the virtual blocks (0: one per CPU, at most 64); read when a pool is created");
 
 /*
- * A worker ends the bios of a batch of provisions itself, unless the
- * batch has at least this many: then each CPU that mapped some ends its
- * own, so that the worker does not wake every submitter one by one (an
- * IPI each) while the rest of the batch and the next pass wait.  At 8
- * vCPUs on 2 host cores that gained about a quarter; with short batches
- * (1 and 2 vCPUs) handing over lost to ending them at once (README,
- * Performance).
+ * A worker ends the bios of a batch of provisions itself, unless at
+ * least this many of them wrote their new blocks (first writes): then
+ * each CPU that mapped some ends its own, so that the worker does not
+ * wake every submitter one by one (an IPI each) while the rest of the
+ * batch and the next pass wait.  At 8 vCPUs on 2 host cores that gained
+ * about a quarter; with short batches (1 and 2 vCPUs) handing over lost
+ * to ending them at once (README, Performance).
  */
 static unsigned int handover_min_batch = 64;
 module_param(handover_min_batch, uint, 0644);
@@ -1247,7 +1247,11 @@ static void copy_from_origin(struct thin_c *tc, struct job *job)
 
 static void defer_bio(struct pool *pool, struct bio *bio);
 
-/* On the CPU that mapped them: end the bios workers handed over. */
+/*
+ * End the bios workers handed over: on the CPU that mapped them, but for
+ * a CPU gone offline meanwhile, or bios that dm core mapped from its own
+ * work item after a suspend.
+ */
 static void do_cpu_completions(struct work_struct *ws)
 {
 	struct cpu_completions *c = container_of(ws, struct cpu_completions, work);
@@ -1259,9 +1263,11 @@ static void do_cpu_completions(struct work_struct *ws)
 }
 
 /*
- * Worker: queue @bio to be ended on the CPU that mapped it, once
- * kick_completions() has queued that CPU's work item.  A CPU gone offline
- * meanwhile still gets its work item run, on another CPU.
+ * Worker: queue @bio to be ended on the CPU that mapped it.  The worker
+ * whose bio found the CPU's list empty queues the CPU's work item, at the
+ * end of its batch (kick_completions()); bios other workers add meanwhile
+ * wait for that.  A CPU gone offline still gets its work item run, on
+ * another CPU.
  */
 static void hand_over_bio(struct worker *w, struct bio *bio)
 {
@@ -1354,7 +1360,7 @@ static void process_completed_jobs(struct worker *w)
 	struct job *job, *tmp;
 	LIST_HEAD(jobs);
 	LIST_HEAD(mappings);
-	unsigned int nr_inserted = 0, nr_jobs = 0, min_batch;
+	unsigned int nr_inserted = 0, nr_written = 0, min_batch;
 	bool frees = false, hand_over;
 	int r = 0;
 
@@ -1365,8 +1371,8 @@ static void process_completed_jobs(struct worker *w)
 		return;
 
 	list_for_each_entry(job, &jobs, list) {
-		nr_jobs++;
 		if (!job->err) {
+			nr_written += job->bio_wrote_block;
 			list_add_tail(&job->mapping.list, &mappings);
 			frees |= job->breaks_sharing;
 		}
@@ -1402,7 +1408,7 @@ static void process_completed_jobs(struct worker *w)
 			job->err = r;
 
 	min_batch = READ_ONCE(handover_min_batch);
-	hand_over = min_batch && nr_jobs >= min_batch;
+	hand_over = min_batch && nr_written >= min_batch;
 	list_for_each_entry_safe(job, tmp, &jobs, list)
 		finish_job(w, job, hand_over);
 	if (hand_over)
@@ -1903,9 +1909,10 @@ static void pool_destroy(struct pool *pool)
 	free_percpu(pool->completions);
 	bioset_exit(&pool->zero_bios);
 	free_passdowns(pool);	/* of a transaction never committed */
-	if (pool->workers)
+	if (pool->workers) {
 		for (i = 0; i < pool->nr_workers; i++)
 			free_cpumask_var(pool->workers[i].completions_to_kick);
+	}
 	kfree(pool->workers);
 	free_percpu(pool->epoch);
 	free_percpu(pool->stats);
