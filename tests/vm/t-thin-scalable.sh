@@ -493,7 +493,7 @@ test_zeroing_offload() {
 # metadata maps them still, and their data must be there.  (Stock dm-thin
 # passes them down before the commit: not tested there.)
 test_passdown_failed_commit() {
-	local t=/dev/mapper/tss-thin0 used
+	local t=/dev/mapper/tss-thin0 used s
 	local meta_line="0 131072 linear /dev/ram0 0"
 	local pool_line="0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
 	need_targets
@@ -518,7 +518,10 @@ test_passdown_failed_commit() {
 	dmsetup reload tss-meta --table "0 131072 error"
 	dmsetup resume tss-meta
 	blkdiscard -o 0 -l $((4 << 20)) $t || fail "the discard failed"
-	assert_eq "0 -" "$(dm_status tss-thin0)" "thin status after the discard"
+	# Unmapped, or failed already: the waker's commit, which came since,
+	# found the discard's change (it commits only a changed transaction).
+	s=$(dm_status tss-thin0)
+	[[ $s == "0 -" || $s == Fail ]] || fail "thin status after the discard: '$s'"
 	dm_status tss-pool >/dev/null
 	[ "$(dm_status tss-pool | cut -d' ' -f2)" = Fail ] ||
 		fail "the pool did not fail with its metadata device: $(dm_status tss-pool)"
