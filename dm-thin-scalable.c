@@ -3062,7 +3062,6 @@ static int thin_map(struct dm_target *ti, struct bio *bio)
 
 	tb->tc = tc;
 	tb->epoch = -1;
-	tb->cpu = raw_smp_processor_id();
 	bio->bi_iter.bi_sector = dm_target_offset(ti, bio->bi_iter.bi_sector);
 
 	if (bio_op(bio) == REQ_OP_DISCARD) {
@@ -3075,6 +3074,7 @@ static int thin_map(struct dm_target *ti, struct bio *bio)
 		cut_bio_at(pool, bio, bio_block(pool, bio) + 1);
 	}
 
+	tb->cpu = raw_smp_processor_id();	/* see hand_over_bio() */
 	defer_bio(pool, bio);
 	return DM_MAPIO_SUBMITTED;
 }
