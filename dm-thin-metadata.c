@@ -1611,12 +1611,14 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
  * insert refused for want of IO leaves the space map as it was.
  */
 static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
-			      tsp_block_t *data)
+			      tsp_block_t keep_free, tsp_block_t *data)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	struct tsp_block *bitmap;
 	int r;
 
+	if (tsp_data_sm_nr_free(pmd->data_sm) <= keep_free + 1)
+		return -EWOULDBLOCK;
 	r = tsp_data_sm_reserve(pmd->data_sm, data, &bitmap);
 	if (r)
 		return r == -ENOSPC ? -EWOULDBLOCK : r;
@@ -1629,6 +1631,8 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  * tsp_thin_provision_nowait - map an unmapped block, where IO cannot be waited for
  * @td: thin device
  * @virt: virtual block
+ * @keep_free: refuse if no more than this many data blocks would be left
+ *	free (the pool's low water mark: the blocking path raises its event)
  * @data: out, the data block @virt is now mapped to (reference count 1)
  *
  * What tsp_pool_alloc_data_block() and tsp_thin_insert_block() do
@@ -1637,8 +1641,8 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  * if no one holds it, and runs the transaction manager in no-wait mode:
  * the update is refused if it needs a block that is not cached, a block
  * copied or allocated (the first change to a node or bitmap after a
- * commit, a split), a search of the space map's bitmaps beyond the
- * cache, or the data space map is full.
+ * commit, a split), or a search of the space map's bitmaps beyond the
+ * cache.
  *
  * Context: may sleep (dm-bufio's lock, the mapping cache's allocation),
  * but waits for no IO and no holder of @root_lock.
@@ -1649,7 +1653,7 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  * as any update's would.
  */
 int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
-			      tsp_block_t *data)
+			      tsp_block_t keep_free, tsp_block_t *data)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	struct tsp_thin_lookup_result result;
@@ -1674,7 +1678,7 @@ int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	if (!r)
 		r = -EEXIST;
 	else if (r == -ENODATA)
-		r = __provision_nowait(td, virt, data);
+		r = __provision_nowait(td, virt, keep_free, data);
 	tsp_tm_set_nowait(pmd->tm, false);
 
 	if (r == -EWOULDBLOCK || r == -EEXIST) {

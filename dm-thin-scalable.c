@@ -3076,10 +3076,13 @@ static bool map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
  * write to an unmapped block that zeroing and an external origin leave
  * alone, the block's worker is between passes (it owns the block's jobs),
  * and the metadata can map the block without IO and without waiting for
- * its lock (tsp_thin_provision_nowait()).  No IO may be waited for here:
- * bios issued under a bio submission start only when the map function
- * has returned.  Maps, then lets dm core issue @bio, as dm-thin's worker
- * does for a pool that does not zero new blocks.
+ * its lock (tsp_thin_provision_nowait()), leaving more free blocks than
+ * the low water mark (the worker raises the event).  Nothing may be
+ * waited for here that could wait for IO: bios issued under a bio
+ * submission start only when the map function has returned, and a
+ * worker's commit waits for the IO in flight.  Maps, then lets dm core
+ * issue @bio, as dm-thin's worker does for a pool that does not zero
+ * new blocks.
  *
  * Return: true if @bio was remapped to its new block.
  */
@@ -3101,7 +3104,8 @@ static bool provision_in_map(struct thin_c *tc, struct bio *bio,
 	if (!mutex_trylock(&w->pass_lock))
 		return false;
 	r = find_job(w, tc, virt) ? -EBUSY :
-	    tsp_thin_provision_nowait(tc->td, virt, &data);
+	    tsp_thin_provision_nowait(tc->td, virt, pool->low_water_blocks,
+				      &data);
 	if (!r) {
 		/* Before the worker may run a discard of the block. */
 		rcu_read_lock();
@@ -3118,7 +3122,6 @@ static bool provision_in_map(struct thin_c *tc, struct bio *bio,
 				    (unsigned long long)virt, r);
 		return false;
 	}
-	check_low_water_mark(pool);
 	remap(pool, bio, data);
 	this_cpu_inc(pool->stats->provisioned_in_map);
 	return true;

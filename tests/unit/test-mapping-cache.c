@@ -988,7 +988,7 @@ static void expect_refused(struct pool *p, struct tsp_thin_device *td,
 	struct tsp_thin_lookup_result res;
 	tsp_block_t b;
 
-	CHECK_R(tsp_thin_provision_nowait(td, virt, &b), -EWOULDBLOCK);
+	CHECK_R(tsp_thin_provision_nowait(td, virt, 0, &b), -EWOULDBLOCK);
 	CHECK_R(nr_free(p), free_before);
 	CHECK_R(tsp_thin_find_block(td, virt, &res), -ENODATA);
 	FAST_MISS(td, virt);
@@ -1040,19 +1040,24 @@ static void test_provision_nowait(void)
 	/* Once a blocking update has copied them, no copy is needed. */
 	CHECK_R(provision_blocking(p.pmd, td, 0), 0);
 	for (v = 1; v < 100; v++) {
-		CHECK_R(tsp_thin_provision_nowait(td, v, &b), 0);
+		CHECK_R(tsp_thin_provision_nowait(td, v, 0, &b), 0);
 		CHECK_R(b, v);
 		FAST_HIT(td, v, b, false);
 	}
-	CHECK_R(tsp_thin_provision_nowait(td, 5, &b), -EEXIST);
+	CHECK_R(tsp_thin_provision_nowait(td, 5, 0, &b), -EEXIST);
+	/* Not the block that would leave only @keep_free free. */
+	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 1, &b),
+		-EWOULDBLOCK);
+	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 2, &b), 0);
+	CHECK_R(b, 100);
 	CHECK_R(tsp_thin_get_mapped_count(td, &mapped), 0);
-	CHECK_R(mapped, 100);
+	CHECK_R(mapped, 101);
 
 	/* Leaves fill up; a split needs a new node. */
-	for (v = 100; v < 5000; v++) {
+	for (v = 101; v < 5000; v++) {
 		tsp_block_t free_before = nr_free(&p);
 
-		r = tsp_thin_provision_nowait(td, v, &b);
+		r = tsp_thin_provision_nowait(td, v, 0, &b);
 		if (r == -EWOULDBLOCK) {
 			refused++;
 			CHECK_R(nr_free(&p), free_before);
@@ -1075,7 +1080,7 @@ static void test_provision_nowait(void)
 
 		v = rnd_below(NW_VIRTS);
 		if (op < 50) {
-			r = tsp_thin_provision_nowait(td, v, &b);
+			r = tsp_thin_provision_nowait(td, v, 0, &b);
 			if (model[v]) {
 				CHECK_R(r, -EEXIST);
 			} else if (r == -EWOULDBLOCK) {
@@ -1123,7 +1128,7 @@ static void test_provision_nowait(void)
 	CHECK_R(system(cmd), 0);
 	unlink(p.path);
 	check_no_leaks();
-	printf("ok   %s (%u of the first 4900 provisions refused, %u random ones done)\n",
+	printf("ok   %s (%u of the next 4899 provisions refused, %u random ones done)\n",
 	       phase, refused, random_ok);
 }
 
