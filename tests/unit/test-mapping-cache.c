@@ -1010,7 +1010,8 @@ static tsp_block_t provision_blocking(struct tsp_pool_metadata *pmd,
 
 /*
  * tsp_thin_provision_nowait(): after a commit (every node and bitmap on
- * the way shared with it) and where a node must split it is refused and
+ * the way shared with it), where a node must split, and where it would
+ * leave no more than its keep_free blocks free, it is refused and
  * changes nothing, not even which block the next allocation hands out;
  * otherwise it maps as a blocking allocation and insert do.  Then a
  * random mix of it with blocking provisions, removals, a snapshot and
