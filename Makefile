@@ -32,7 +32,9 @@
 #                         then only the VM suite on Debian 12's 6.12 kernel
 #                         with that module (tests/run --vm-only); the
 #                         module at the top of the tree is left alone
-#   make fuzz, bench-meta, bench    scripts/fuzz-meta, scripts/<name>
+#   make fuzz, bench-meta  scripts/fuzz-meta, scripts/bench-meta
+#   make bench            scripts/bench --meta --callgrind: the VM fio jobs,
+#                         then the userspace metadata benchmarks
 #   make clean
 
 # --- kernel module --------------------------------------------------------
@@ -185,11 +187,17 @@ check-6.12: deps
 
 # --- fuzzing and benchmarks (not in CI) ----------------------------------
 
-# make fuzz runs scripts/fuzz-meta; the others run scripts/<target>.
+# make fuzz runs scripts/fuzz-meta; bench-meta runs scripts/bench-meta.
 script-of = scripts/$(if $(filter fuzz,$(1)),fuzz-meta,$(1))
 
-fuzz bench-meta bench: deps
+fuzz bench-meta: deps
 	$(call script-of,$@)
+
+# The main job: the fio jobs in the VM, then on the host the mapping
+# cache's lookups/s (scripts/bench-meta) and instructions per lookup
+# (scripts/bench-callgrind).
+bench: deps
+	scripts/bench --meta --callgrind
 
 clean:
 	rm -rf build
