@@ -1604,6 +1604,90 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	return end_update(pmd, __insert_block(td, virt, data, pmd->time));
 }
 
+/*
+ * Allocate a data block and map @virt to it; the caller has the
+ * transaction manager in no-wait mode, and @virt is not mapped.  The
+ * block is only reserved while the mapping is inserted, so that an
+ * insert refused for want of IO leaves the space map as it was.
+ */
+static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
+			      tsp_block_t keep_free, tsp_block_t *data)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	struct tsp_block *bitmap;
+	int r;
+
+	if (tsp_data_sm_nr_free(pmd->data_sm) <= keep_free + 1)
+		return -EWOULDBLOCK;
+	r = tsp_data_sm_reserve(pmd->data_sm, data, &bitmap);
+	if (r)
+		return r == -ENOSPC ? -EWOULDBLOCK : r;
+	r = __insert_block(td, virt, *data, pmd->time);
+	tsp_data_sm_reserve_end(pmd->data_sm, *data, bitmap, !r);
+	return r;
+}
+
+/**
+ * tsp_thin_provision_nowait - map an unmapped block, where IO cannot be waited for
+ * @td: thin device
+ * @virt: virtual block
+ * @keep_free: refuse if no more than this many data blocks would be left
+ *	free (the pool's low water mark: the blocking path raises its event)
+ * @data: out, the data block @virt is now mapped to (reference count 1)
+ *
+ * What tsp_pool_alloc_data_block() and tsp_thin_insert_block() do
+ * together, for the map path: a bio that metadata IO issued there would
+ * not start before the map function returned.  It takes @root_lock only
+ * if no one holds it, and runs the transaction manager in no-wait mode:
+ * the update is refused if it needs a block that is not cached, a block
+ * copied or allocated (the first change to a node or bitmap after a
+ * commit, a split), or a search of the space map's bitmaps beyond the
+ * cache.
+ *
+ * Context: may sleep (dm-bufio's lock, the mapping cache's allocation),
+ * but waits for no IO and no holder of @root_lock.
+ *
+ * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if the update was
+ * refused or the metadata is read only or failed (nothing changed: do it
+ * the way that may block); or another error, which fails the metadata
+ * as any update's would.
+ */
+int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
+			      tsp_block_t keep_free, tsp_block_t *data)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	struct tsp_thin_lookup_result result;
+	tsp_block_t root;
+	u32 time;
+	int r;
+
+	if (!down_write_trylock(&pmd->root_lock))
+		return -EWOULDBLOCK;
+	if (pmd->fail_io || pmd->read_only) {
+		up_write(&pmd->root_lock);
+		return -EWOULDBLOCK;
+	}
+
+	tsp_tm_set_nowait(pmd->tm, true);
+	if (virt >= td->mapped_end && td->mapped_end != NO_MAPPED_END)
+		r = -ENODATA;
+	else
+		r = __device_root(td, &root);
+	if (!r)
+		r = __find_block(td, virt, root, &result, &time);
+	if (!r)
+		r = -EEXIST;
+	else if (r == -ENODATA)
+		r = __provision_nowait(td, virt, keep_free, data);
+	tsp_tm_set_nowait(pmd->tm, false);
+
+	if (r == -EWOULDBLOCK || r == -EEXIST) {
+		up_write(&pmd->root_lock);
+		return r;
+	}
+	return end_update(pmd, r);
+}
+
 /**
  * tsp_pool_insert_mappings - map a batch of blocks in one update
  * @pmd: pool metadata

@@ -227,6 +227,15 @@ int __must_check tsp_pool_release_data_block(struct tsp_pool_metadata *pmd,
 int __must_check tsp_thin_insert_block(struct tsp_thin_device *td,
 				       tsp_block_t virt, tsp_block_t data);
 
+/*
+ * Allocate and map in one update that waits for no IO and no lock, or
+ * -EWOULDBLOCK having changed nothing (see dm-thin-metadata.c).
+ */
+int __must_check tsp_thin_provision_nowait(struct tsp_thin_device *td,
+					   tsp_block_t virt,
+					   tsp_block_t keep_free,
+					   tsp_block_t *data);
+
 /* One mapping of a batch for tsp_pool_insert_mappings(). */
 struct tsp_new_mapping {
 	struct list_head list;

@@ -25,6 +25,10 @@
  *     mapping cache, enters the current epoch and is remapped.  No lock.
  *     A bio over several blocks mapped to consecutive data blocks stays
  *     one bio; dm core splits off whatever the fast path cannot take.
+ *   - Provisioning in map: a plain write to an unmapped block of a pool
+ *     that does not zero new blocks is provisioned right there when
+ *     that needs no IO and no wait (provision_in_map()): allocated and
+ *     mapped, then issued, as dm-thin's worker does without zeroing.
  *   - Everything else goes to a worker (pool_workers of them, one by
  *     default, on an unbound workqueue), each owning the virtual blocks
  *     of the regions (REGION_BLOCKS blocks of one thin device) that hash
@@ -67,7 +71,10 @@
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
  *                      and its metadata commit; freed_this_transaction,
- *                      passdowns; metadata_low_water_triggered
+ *                      passdowns; metadata_low_water_triggered.  Not
+ *                      provision_in_map(): its bio is issued after the
+ *                      mapping exists, so no completed write depends on
+ *                      a mapping a commit could miss
  *   pool->lock         (irq-safe spinlock) pool->retry_list; the
  *                      pool's list of thin targets and its suspended
  *                      flag; each thin target's requeue_no_space
@@ -75,9 +82,14 @@
  *   worker->running    written by its work item only; read by those
  *                      adding to its lists, after a full barrier (see
  *                      wake_worker())
+ *   worker->pass_lock  (mutex) held by each pass of its work item, and
+ *                      taken with a trylock by provision_in_map(), which
+ *                      looks at its job table
  *   worker-private     the worker's job table, flush_waiters and
  *                      issue_after_commit: only its work item touches
- *                      them, and a work item never runs twice at once
+ *                      them (the job table also provision_in_map(),
+ *                      under pass_lock), and a work item never runs
+ *                      twice at once
  *   worker->deferred   llist: pushed by anyone, emptied by the worker
  *   cpu_completions    per CPU llist: pushed by workers, emptied by the
  *                      CPU's work item
@@ -260,6 +272,7 @@ struct epoch_counts {
 struct pool_stats {
 	u64 fast;		/* remapped in map, no lock */
 	u64 deferred;		/* handed to the worker */
+	u64 provisioned_in_map;	/* provision_in_map() */
 };
 
 struct pool {
@@ -354,6 +367,8 @@ struct worker {
 	 * work added meanwhile needs no kick (see wake_worker()).
 	 */
 	bool running;
+
+	struct mutex pass_lock;			/* see "Locking" */
 
 	/* Private to the work item. */
 	struct hlist_head jobs[1 << JOB_HASH_BITS];
@@ -1836,12 +1851,14 @@ static void do_worker(struct work_struct *ws)
 	struct worker *w = container_of(ws, struct worker, work);
 
 	WRITE_ONCE(w->running, true);
+	mutex_lock(&w->pass_lock);
 	WRITE_ONCE(w->passes, w->passes + 1);
 	process_completed_jobs(w);
 	process_deferred_bios(w);
 	/* Jobs whose IO already completed finish in this pass. */
 	process_completed_jobs(w);
 	process_commit(w);
+	mutex_unlock(&w->pass_lock);
 	WRITE_ONCE(w->running, false);
 
 	/*
@@ -1928,6 +1945,7 @@ static void init_worker(struct worker *w, struct pool *pool)
 	init_llist_head(&w->deferred);
 	spin_lock_init(&w->lock);
 	INIT_LIST_HEAD(&w->completed_jobs);
+	mutex_init(&w->pass_lock);
 	bio_list_init(&w->flush_waiters);
 	bio_list_init(&w->issue_after_commit);
 }
@@ -2624,6 +2642,8 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 	for_each_possible_cpu(cpu) {
 		sum.fast += per_cpu_ptr(pool->stats, cpu)->fast;
 		sum.deferred += per_cpu_ptr(pool->stats, cpu)->deferred;
+		sum.provisioned_in_map +=
+			per_cpu_ptr(pool->stats, cpu)->provisioned_in_map;
 	}
 	if (tsp_pool_get_data_block_count(pool->pmd, &nr) ||
 	    tsp_pool_get_free_block_count(pool->pmd, &nr_free))
@@ -2632,13 +2652,15 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 
 	DMEMIT("fast_ios %llu deferred_ios %llu cache_entries %llu cache_hits %llu "
 	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu "
-	       "workers %u worker_passes %llu handed_over_ios %llu",
+	       "workers %u worker_passes %llu handed_over_ios %llu "
+	       "provisioned_in_map %llu",
 	       (unsigned long long)sum.fast, (unsigned long long)sum.deferred,
 	       (unsigned long long)cache.entries, (unsigned long long)cache.hits,
 	       (unsigned long long)cache.misses, (unsigned long long)cache.evictions,
 	       (unsigned long long)atomic64_read(&pool->commits),
 	       (unsigned long long)(nr - nr_free), pool->nr_workers,
-	       (unsigned long long)passes, (unsigned long long)handed_over);
+	       (unsigned long long)passes, (unsigned long long)handed_over,
+	       (unsigned long long)sum.provisioned_in_map);
 	return 1;
 }
 
@@ -3049,10 +3071,68 @@ static bool map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
 }
 
 /*
+ * Provision the block of @bio (@tb its per-bio data) here in map, without
+ * handing it to a worker and back, if that needs no wait: @bio is a plain
+ * write to an unmapped block that zeroing and an external origin leave
+ * alone, the block's worker is between passes (it owns the block's jobs),
+ * and the metadata can map the block without IO and without waiting for
+ * its lock (tsp_thin_provision_nowait()), leaving more free blocks than
+ * the low water mark (the worker raises the event).  Nothing may be
+ * waited for here that could wait for IO: bios issued under a bio
+ * submission start only when the map function has returned, and a
+ * worker's commit waits for the IO in flight.  Maps, then lets dm core
+ * issue @bio, as dm-thin's worker does for a pool that does not zero
+ * new blocks.
+ *
+ * Return: true if @bio was remapped to its new block.
+ */
+static bool provision_in_map(struct thin_c *tc, struct bio *bio,
+			     struct thin_bio *tb)
+{
+	struct pool *pool = tc->pool;
+	tsp_block_t virt = bio_block(pool, bio), data;
+	struct worker *w;
+	int r;
+
+	if (bio_data_dir(bio) != WRITE || pool->pf.zero_new_blocks ||
+	    pool_mode(pool) != PM_WRITE ||
+	    (tc->origin_dev &&
+	     virt * pool->sectors_per_block < tc->origin_size))
+		return false;
+
+	w = worker_for(tc, virt);
+	if (!mutex_trylock(&w->pass_lock))
+		return false;
+	r = find_job(w, tc, virt) ? -EBUSY :
+	    tsp_thin_provision_nowait(tc->td, virt, pool->low_water_blocks,
+				      &data);
+	if (!r) {
+		/* Before the worker may run a discard of the block. */
+		rcu_read_lock();
+		epoch_enter(pool, tb);
+		rcu_read_unlock();
+	}
+	mutex_unlock(&w->pass_lock);
+
+	if (r) {
+		/* The worker meets the failed metadata and deals with it. */
+		if (r != -EBUSY && r != -EEXIST && r != -EWOULDBLOCK)
+			DMERR_LIMIT("%s: provisioning block %llu in map failed: %d",
+				    dm_device_name(pool->pool_md),
+				    (unsigned long long)virt, r);
+		return false;
+	}
+	remap(pool, bio, data);
+	this_cpu_inc(pool->stats->provisioned_in_map);
+	return true;
+}
+
+/*
  * The map path.  The fast path remaps reads and plain writes to blocks
- * this device owns alone without taking any lock; everything else is
- * deferred to the worker that owns its block, one block per bio (a
- * discard: one region).
+ * this device owns alone without taking any lock; a plain write may be
+ * provisioned here (provision_in_map()); everything else is deferred to
+ * the worker that owns its block, one block per bio (a discard: one
+ * region).
  */
 static int thin_map(struct dm_target *ti, struct bio *bio)
 {
@@ -3068,10 +3148,13 @@ static int thin_map(struct dm_target *ti, struct bio *bio)
 		/* One region, so that one worker owns all of its blocks. */
 		cut_bio_at(pool, bio, (bio_block(pool, bio) | (REGION_BLOCKS - 1)) + 1);
 	} else if (bio_has_data(bio)) {
-		if (!bio_needs_commit(bio) && pool_mode(pool) < PM_FAIL &&
-		    map_fast(tc, bio, tb))
+		bool plain = !bio_needs_commit(bio) && pool_mode(pool) < PM_FAIL;
+
+		if (plain && map_fast(tc, bio, tb))
 			return DM_MAPIO_REMAPPED;
 		cut_bio_at(pool, bio, bio_block(pool, bio) + 1);
+		if (plain && provision_in_map(tc, bio, tb))
+			return DM_MAPIO_REMAPPED;
 	}
 
 	tb->cpu = raw_smp_processor_id();	/* see hand_over_bio() */

@@ -131,9 +131,16 @@ static int bm_validate(struct dm_buffer *buf, const struct tsp_block_validator *
 	return 0;
 }
 
+/* Where bm_lock() takes a block's contents from. */
+enum bm_source {
+	BM_READ,	/* the cache, else the device */
+	BM_CACHED,	/* the cache only: -EWOULDBLOCK if it is not there */
+	BM_ZERO,	/* nowhere: the block starts zeroed */
+};
+
 static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
-		   const struct tsp_block_validator *v, bool write, bool zero,
-		   struct tsp_block **result)
+		   const struct tsp_block_validator *v, bool write,
+		   enum bm_source source, struct tsp_block **result)
 {
 	struct dm_buffer *buf;
 	struct bm_aux *aux;
@@ -150,15 +157,19 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		return -EILSEQ;
 	}
 
-	if (zero)
+	if (source == BM_ZERO)
 		p = dm_bufio_new(bm->bufio, b, &buf);
+	else if (source == BM_CACHED)
+		p = dm_bufio_get(bm->bufio, b, &buf);
 	else
 		p = dm_bufio_read(bm->bufio, b, &buf);
+	if (!p)
+		return -EWOULDBLOCK;
 	if (IS_ERR(p))
 		return PTR_ERR(p);
 
 	aux = buffer_aux(buf);
-	if (zero) {
+	if (source == BM_ZERO) {
 		memset(p, 0, TSP_METADATA_BLOCK_SIZE);
 		WRITE_ONCE(aux->validator, v);
 	} else {
@@ -191,7 +202,7 @@ int tsp_bm_read_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		     const struct tsp_block_validator *v,
 		     struct tsp_block **result)
 {
-	return bm_lock(bm, b, v, false, false, result);
+	return bm_lock(bm, b, v, false, BM_READ, result);
 }
 
 /* As tsp_bm_read_lock(), for writing; -EPERM when read only. */
@@ -199,7 +210,7 @@ int tsp_bm_write_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		      const struct tsp_block_validator *v,
 		      struct tsp_block **result)
 {
-	return bm_lock(bm, b, v, true, false, result);
+	return bm_lock(bm, b, v, true, BM_READ, result);
 }
 
 /* Write lock a block without reading it; its contents start zeroed. */
@@ -207,7 +218,28 @@ int tsp_bm_write_lock_zero(struct tsp_block_manager *bm, tsp_block_t b,
 			   const struct tsp_block_validator *v,
 			   struct tsp_block **result)
 {
-	return bm_lock(bm, b, v, true, true, result);
+	return bm_lock(bm, b, v, true, BM_ZERO, result);
+}
+
+/**
+ * tsp_bm_lock_cached - lock a block only if it is in the cache
+ * @bm: block manager
+ * @b: block number
+ * @v: the kind of block expected
+ * @write: lock for writing (as tsp_bm_write_lock()), else for reading
+ * @result: the locked block; release with tsp_bm_unlock()
+ *
+ * Issues and waits for no IO, so it may be called where metadata IO
+ * cannot complete (under a bio submission).
+ *
+ * Context: may sleep (dm-bufio's lock).  Return: 0, -EWOULDBLOCK if the
+ * block is not cached (or still being read), or as tsp_bm_read_lock().
+ */
+int tsp_bm_lock_cached(struct tsp_block_manager *bm, tsp_block_t b,
+		       const struct tsp_block_validator *v, bool write,
+		       struct tsp_block **result)
+{
+	return bm_lock(bm, b, v, write, BM_CACHED, result);
 }
 
 /* Release a lock; a write locked block becomes dirty. */

@@ -55,6 +55,10 @@ int __must_check tsp_bm_write_lock_zero(struct tsp_block_manager *bm,
 					tsp_block_t b,
 					const struct tsp_block_validator *v,
 					struct tsp_block **result);
+int __must_check tsp_bm_lock_cached(struct tsp_block_manager *bm,
+				    tsp_block_t b,
+				    const struct tsp_block_validator *v,
+				    bool write, struct tsp_block **result);
 void tsp_bm_unlock(struct tsp_block *b);
 
 int __must_check tsp_bm_flush(struct tsp_block_manager *bm);

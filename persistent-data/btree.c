@@ -640,16 +640,19 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 			goto out;
 		}
 
+		/*
+		 * Nothing changes before the child is shadowed, which may
+		 * refuse in the transaction manager's no-wait mode.
+		 */
 		i = child_index(n, key);
+		r = shadow_node(info, child_at(n, max(i, 0)), &child);
+		if (r)
+			goto out;
 		if (i < 0) {
 			/* The new lowest key of this subtree. */
 			i = 0;
 			n->keys[0] = cpu_to_le64(key);
 		}
-
-		r = shadow_node(info, child_at(n, i), &child);
-		if (r)
-			goto out;
 		set_child(n, i, tsp_block_location(child));
 
 		if (nr_entries(node_of(child)) == max_entries(node_of(child))) {

@@ -16,6 +16,9 @@
  *
  * Return codes: 0; -ENODATA when a key is not present; -ENOMEM; -ENOSPC
  * when out of metadata space; -EILSEQ for a corrupt node; IO errors.
+ * In the transaction manager's no-wait mode, -EWOULDBLOCK from a lookup,
+ * or from an insert of a key not yet in the tree, means the operation
+ * needed IO or a new block, and changed nothing.
  */
 #ifndef TSP_BTREE_H
 #define TSP_BTREE_H

@@ -228,6 +228,7 @@ void init_rwsem(struct rw_semaphore *s);
 void down_read(struct rw_semaphore *s);
 void up_read(struct rw_semaphore *s);
 void down_write(struct rw_semaphore *s);
+int down_write_trylock(struct rw_semaphore *s);
 void up_write(struct rw_semaphore *s);
 bool tsp_user_rwsem_held(struct rw_semaphore *s);
 

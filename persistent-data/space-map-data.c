@@ -497,13 +497,57 @@ int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
  * the first one after open recounts them, so nr_free is exact before it
  * is changed by one.
  */
+/*
+ * Write lock bitmap @i for changing entries: shadowed, with its index
+ * entry following it.  The first change after open recounts its free
+ * entries, so nr_free is exact before it is changed by one.
+ */
+static int lock_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
+{
+	struct tsp_index_entry *ie = &sm->index[i];
+	bool inc;
+	int r;
+
+	r = tsp_tm_shadow_block(sm->tm, ie->blocknr, &tsp_bitmap_validator,
+				blk, &inc);
+	if (r)
+		return r;
+	ie->blocknr = tsp_block_location(*blk);
+	if (!sm->counted[i])
+		count_free_from(sm, i, tsp_block_data(*blk));
+	return 0;
+}
+
+/* Set @b's 2-bit entry in its bitmap @blk, locked by lock_bitmap(). */
+static void set_entry(struct tsp_data_sm *sm, struct tsp_block *blk,
+		      tsp_block_t b, u32 count)
+{
+	tsp_bitmap_set(tsp_block_data(blk), b % TSP_ENTRIES_PER_BITMAP,
+		       min(count, 3u));
+	sm->dirty[b / TSP_ENTRIES_PER_BITMAP] = 1;
+}
+
+/* @b, free until now, is in use: count it in its index entry and the map. */
+static void count_allocated(struct tsp_data_sm *sm, tsp_block_t b)
+{
+	struct tsp_index_entry *ie = &sm->index[b / TSP_ENTRIES_PER_BITMAP];
+	u32 pos = b % TSP_ENTRIES_PER_BITMAP;
+
+	if (b >= sm->run_begin && b < sm->run_end)
+		forget_free_run(sm);
+	ie->nr_free--;
+	if (pos == ie->none_free_before)
+		ie->none_free_before = pos + 1;
+	sm->nr_allocated++;
+}
+
+/* Change @b's count from @old to @count in bitmap, index and overflow. */
 static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 {
 	u64 i = b / TSP_ENTRIES_PER_BITMAP;
 	struct tsp_index_entry *ie = &sm->index[i];
 	u32 pos = b % TSP_ENTRIES_PER_BITMAP;
 	struct tsp_block *blk;
-	bool inc;
 	int r;
 
 	if (old && !count) {
@@ -512,25 +556,15 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 			return r;
 	}
 	if (min(old, 3u) != min(count, 3u)) {
-		r = tsp_tm_shadow_block(sm->tm, ie->blocknr, &tsp_bitmap_validator,
-					&blk, &inc);
+		r = lock_bitmap(sm, i, &blk);
 		if (r)
 			return r;
-		ie->blocknr = tsp_block_location(blk);
-		if (!sm->counted[i])
-			count_free_from(sm, i, tsp_block_data(blk));
-		tsp_bitmap_set(tsp_block_data(blk), pos, min(count, 3u));
+		set_entry(sm, blk, b, count);
 		tsp_tm_unlock(sm->tm, blk);
-		sm->dirty[i] = 1;
 	}
 
 	if (!old && count) {
-		if (b >= sm->run_begin && b < sm->run_end)
-			forget_free_run(sm);
-		ie->nr_free--;
-		if (pos == ie->none_free_before)
-			ie->none_free_before = pos + 1;
-		sm->nr_allocated++;
+		count_allocated(sm, b);
 	} else if (old && !count) {
 		ie->nr_free++;
 		ie->none_free_before = min(ie->none_free_before, pos);
@@ -677,22 +711,69 @@ static int recount_full(struct tsp_data_sm *sm)
  */
 int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
 {
-	int r = 0;
+	struct tsp_block *bitmap;
+	int r = tsp_data_sm_reserve(sm, b, &bitmap);
 
-	if (sm->run_begin == sm->run_end)
-		r = find_free(sm);
 	if (r == -ENOSPC) {
 		r = recount_full(sm);
 		if (r > 0)
-			r = find_free(sm);
+			r = tsp_data_sm_reserve(sm, b, &bitmap);
 		else if (!r)
 			r = -ENOSPC;
 	}
 	if (r)
 		return r;
-	*b = sm->run_begin++;
-	sm->alloc_cursor = *b + 1;
-	return set_count(sm, *b, 0, 1);
+	tsp_data_sm_reserve_end(sm, *b, bitmap, true);
+	return 0;
+}
+
+/**
+ * tsp_data_sm_reserve - the block the next allocation hands out, its bitmap locked
+ * @sm: space map
+ * @b: out, the block
+ * @bitmap: out, @b's bitmap block, write locked: pass it to
+ *	tsp_data_sm_reserve_end()
+ *
+ * Changes nothing that tsp_data_sm_reserve_end() cannot take back: the
+ * caller may try other updates (not of the data space map) before it
+ * decides whether to allocate @b.  With its bitmap locked, allocating it
+ * cannot fail, also in the transaction manager's no-wait mode.
+ *
+ * Return: 0; -ENOSPC if no bitmap in the index has an allocatable entry
+ * (counts read from disk are not recounted: tsp_data_sm_new_block() does
+ * that); or the transaction manager's error (-EWOULDBLOCK in no-wait mode).
+ */
+int tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b,
+			struct tsp_block **bitmap)
+{
+	int r = 0;
+
+	if (sm->run_begin == sm->run_end)
+		r = find_free(sm);
+	if (r)
+		return r;
+	*b = sm->run_begin;
+	return lock_bitmap(sm, *b / TSP_ENTRIES_PER_BITMAP, bitmap);
+}
+
+/**
+ * tsp_data_sm_reserve_end - allocate the block tsp_data_sm_reserve() picked, or not
+ * @sm: space map
+ * @b: the block
+ * @bitmap: its bitmap, unlocked here
+ * @allocate: true to give @b a count of 1, false to leave it free
+ */
+void tsp_data_sm_reserve_end(struct tsp_data_sm *sm, tsp_block_t b,
+			     struct tsp_block *bitmap, bool allocate)
+{
+	if (allocate) {
+		set_entry(sm, bitmap, b, 1);
+		/* Past the run first: count_allocated() keeps the rest of it. */
+		sm->run_begin = b + 1;
+		sm->alloc_cursor = b + 1;
+		count_allocated(sm, b);
+	}
+	tsp_tm_unlock(sm->tm, bitmap);
 }
 
 /**

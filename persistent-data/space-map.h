@@ -37,6 +37,11 @@ int __must_check tsp_data_sm_inc(struct tsp_data_sm *sm, tsp_block_t b);
 int __must_check tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b);
 /* Allocate a free block: its count becomes 1. */
 int __must_check tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b);
+/* The same in two steps, see space-map-data.c. */
+int __must_check tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b,
+				     struct tsp_block **bitmap);
+void tsp_data_sm_reserve_end(struct tsp_data_sm *sm, tsp_block_t b,
+			     struct tsp_block *bitmap, bool allocate);
 /* Grow to @nr_blocks; -EINVAL to shrink. */
 int __must_check tsp_data_sm_extend(struct tsp_data_sm *sm,
 				    tsp_block_t nr_blocks);

@@ -12,6 +12,12 @@
  * blocks first), every dirty block is written and the device flushed;
  * then the caller fills in the superblock, which we write and flush.
  *
+ * No-wait mode (tsp_tm_set_nowait()), for updates made where metadata
+ * IO cannot be waited for: only blocks in the cache are locked, only
+ * blocks already written in this transaction are shadowed (in place), and
+ * no block is allocated; anything else fails with -EWOULDBLOCK before it
+ * changes anything.
+ *
  * Locking: none; the caller serialises every call.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
@@ -26,6 +32,7 @@ struct tsp_tm {
 	struct tsp_block_manager *bm;
 	struct tsp_metadata_sm *sm;
 	tsp_block_t sb_location;
+	bool nowait;
 };
 
 static tsp_block_t usable_blocks(struct tsp_block_manager *bm)
@@ -141,12 +148,39 @@ int tsp_tm_commit(struct tsp_tm *tm, struct tsp_block *superblock)
 	return r;
 }
 
+/**
+ * tsp_tm_set_nowait - enter or leave no-wait mode
+ * @tm: transaction manager
+ * @nowait: true to enter
+ *
+ * See "No-wait mode" above.  The caller leaves it before it unlocks the
+ * transaction for others.
+ */
+void tsp_tm_set_nowait(struct tsp_tm *tm, bool nowait)
+{
+	tm->nowait = nowait;
+}
+
+/* Lock @b for reading or writing, from the cache alone in no-wait mode. */
+static int tm_lock(struct tsp_tm *tm, tsp_block_t b,
+		   const struct tsp_block_validator *v, bool write,
+		   struct tsp_block **result)
+{
+	if (tm->nowait)
+		return tsp_bm_lock_cached(tm->bm, b, v, write, result);
+	if (write)
+		return tsp_bm_write_lock(tm->bm, b, v, result);
+	return tsp_bm_read_lock(tm->bm, b, v, result);
+}
+
 int tsp_tm_new_block(struct tsp_tm *tm, const struct tsp_block_validator *v,
 		     struct tsp_block **result)
 {
 	tsp_block_t b;
 	int r;
 
+	if (tm->nowait)
+		return -EWOULDBLOCK;
 	r = tsp_msm_new_block(tm->sm, &b);
 	if (r)
 		return r;
@@ -182,7 +216,9 @@ int tsp_tm_shadow_block(struct tsp_tm *tm, tsp_block_t orig,
 
 	*inc_children = false;
 	if (count == 1 && tsp_msm_is_new(tm->sm, orig))
-		return tsp_bm_write_lock(tm->bm, orig, v, result);
+		return tm_lock(tm, orig, v, true, result);
+	if (tm->nowait)
+		return -EWOULDBLOCK;
 
 	r = tsp_bm_read_lock(tm->bm, orig, v, &orig_blk);
 	if (r)
@@ -209,7 +245,7 @@ int tsp_tm_read_lock(struct tsp_tm *tm, tsp_block_t b,
 		     const struct tsp_block_validator *v,
 		     struct tsp_block **result)
 {
-	return tsp_bm_read_lock(tm->bm, b, v, result);
+	return tm_lock(tm, b, v, false, result);
 }
 
 void tsp_tm_unlock(struct tsp_tm *tm, struct tsp_block *b)

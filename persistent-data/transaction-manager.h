@@ -81,6 +81,8 @@ int __must_check tsp_tm_pre_commit(struct tsp_tm *tm, void *sm_root);
  */
 int __must_check tsp_tm_commit(struct tsp_tm *tm, struct tsp_block *superblock);
 
+void tsp_tm_set_nowait(struct tsp_tm *tm, bool nowait);
+
 /* Allocate a block (reference count 1) and write lock it, zeroed. */
 int __must_check tsp_tm_new_block(struct tsp_tm *tm,
 				  const struct tsp_block_validator *v,

@@ -226,6 +226,19 @@ void down_write(struct rw_semaphore *s)
 	__atomic_store_n(&s->write_held, true, __ATOMIC_RELEASE);
 }
 
+int down_write_trylock(struct rw_semaphore *s)
+{
+	pthread_t self = pthread_self();
+
+	if (owned_by_me(&s->write_held, &s->writer))
+		lock_bug("recursive down_write_trylock", s);
+	if (pthread_rwlock_trywrlock(&s->rw))
+		return 0;
+	__atomic_store(&s->writer, &self, __ATOMIC_RELAXED);
+	__atomic_store_n(&s->write_held, true, __ATOMIC_RELEASE);
+	return 1;
+}
+
 void up_write(struct rw_semaphore *s)
 {
 	if (!owned_by_me(&s->write_held, &s->writer))

@@ -972,6 +972,167 @@ static void test_hold_freed(void)
 	printf("ok   %s\n", phase);
 }
 
+/* Free data blocks of @p now. */
+static tsp_block_t nr_free(struct pool *p)
+{
+	tsp_block_t n;
+
+	CHECK_R(tsp_pool_get_free_block_count(p->pmd, &n), 0);
+	return n;
+}
+
+/* A refused provision of @virt changed nothing. */
+static void expect_refused(struct pool *p, struct tsp_thin_device *td,
+			   tsp_block_t virt, tsp_block_t free_before)
+{
+	struct tsp_thin_lookup_result res;
+	tsp_block_t b;
+
+	CHECK_R(tsp_thin_provision_nowait(td, virt, 0, &b), -EWOULDBLOCK);
+	CHECK_R(nr_free(p), free_before);
+	CHECK_R(tsp_thin_find_block(td, virt, &res), -ENODATA);
+	FAST_MISS(td, virt);
+}
+
+/* Blocking allocation and insert, as the pool's worker does them. */
+static tsp_block_t provision_blocking(struct tsp_pool_metadata *pmd,
+				      struct tsp_thin_device *td,
+				      tsp_block_t virt)
+{
+	tsp_block_t b;
+
+	CHECK_R(tsp_pool_alloc_data_block(pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td, virt, b), 0);
+	return b;
+}
+
+#define NW_VIRTS 20000
+
+/*
+ * tsp_thin_provision_nowait(): after a commit (every node and bitmap on
+ * the way shared with it), where a node must split, and where it would
+ * leave no more than its keep_free blocks free, it is refused and
+ * changes nothing, not even which block the next allocation hands out;
+ * otherwise it maps as a blocking allocation and insert do.  Then a
+ * random mix of it with blocking provisions, removals, a snapshot and
+ * commits, against a model, ending with tsp_pool_check() and thin_check
+ * (if installed) clean.
+ */
+static void test_provision_nowait(void)
+{
+	static tsp_block_t model[NW_VIRTS];	/* data block + 1, 0: unmapped */
+	struct tsp_thin_lookup_result res;
+	unsigned int ok = 0, refused = 0, random_ok = 0, i;
+	struct tsp_thin_device *td, *snap;
+	tsp_block_t b, v, mapped;
+	char cmd[320];
+	struct pool p;
+	int r;
+
+	phase = "provision_nowait";
+	pool_create(&p);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 1), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td), 0);
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+
+	expect_refused(&p, td, 0, nr_free(&p));
+	CHECK(!tsp_pool_changed_this_transaction(p.pmd));
+
+	/* Once a blocking update has copied them, no copy is needed. */
+	CHECK_R(provision_blocking(p.pmd, td, 0), 0);
+	for (v = 1; v < 100; v++) {
+		CHECK_R(tsp_thin_provision_nowait(td, v, 0, &b), 0);
+		CHECK_R(b, v);
+		FAST_HIT(td, v, b, false);
+	}
+	CHECK_R(tsp_thin_provision_nowait(td, 5, 0, &b), -EEXIST);
+	/* Not the block that would leave only @keep_free free. */
+	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 1, &b),
+		-EWOULDBLOCK);
+	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 2, &b), 0);
+	CHECK_R(b, 100);
+	CHECK_R(tsp_thin_get_mapped_count(td, &mapped), 0);
+	CHECK_R(mapped, 101);
+
+	/* Leaves fill up; a split needs a new node. */
+	for (v = 101; v < 5000; v++) {
+		tsp_block_t free_before = nr_free(&p);
+
+		r = tsp_thin_provision_nowait(td, v, 0, &b);
+		if (r == -EWOULDBLOCK) {
+			refused++;
+			CHECK_R(nr_free(&p), free_before);
+			CHECK_R(tsp_thin_find_block(td, v, &res), -ENODATA);
+			b = provision_blocking(p.pmd, td, v);
+		} else {
+			CHECK_R(r, 0);
+			ok++;
+		}
+		CHECK_R(b, v);
+	}
+	CHECK(refused > 0 && ok > 20 * refused);
+	for (v = 0; v < 5000; v++)
+		model[v] = v + 1;
+
+	snap = NULL;
+	for (i = 0; i < (quick ? 20000 : 100000); i++) {
+		unsigned int op = rnd_below(100);
+		tsp_block_t free_before = nr_free(&p);
+
+		v = rnd_below(NW_VIRTS);
+		if (op < 50) {
+			r = tsp_thin_provision_nowait(td, v, 0, &b);
+			if (model[v]) {
+				CHECK_R(r, -EEXIST);
+			} else if (r == -EWOULDBLOCK) {
+				CHECK_R(nr_free(&p), free_before);
+				CHECK_R(tsp_thin_find_block(td, v, &res), -ENODATA);
+			} else {
+				CHECK_R(r, 0);
+				CHECK_R(nr_free(&p), free_before - 1);
+				model[v] = b + 1;
+				random_ok++;
+			}
+		} else if (op < 70) {
+			if (!model[v])
+				model[v] = provision_blocking(p.pmd, td, v) + 1;
+		} else if (op < 97) {
+			CHECK_R(tsp_thin_remove_block(td, v), model[v] ? 0 : -ENODATA);
+			model[v] = 0;
+		} else if (op < 99 || snap) {
+			CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+		} else {
+			/* Now every node of the origin is shared. */
+			CHECK_R(tsp_pool_create_snap(p.pmd, 2, 1), 0);
+			CHECK_R(tsp_pool_open_thin_device(p.pmd, 2, &snap), 0);
+		}
+	}
+	for (v = 0; v < NW_VIRTS; v++) {
+		r = tsp_thin_find_block(td, v, &res);
+		if (model[v]) {
+			CHECK_R(r, 0);
+			CHECK_R(res.block, model[v] - 1);
+		} else {
+			CHECK_R(r, -ENODATA);
+		}
+	}
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	CHECK_R(tsp_pool_check(p.pmd), 0);
+
+	if (snap)
+		tsp_pool_close_thin_device(snap);
+	tsp_pool_close_thin_device(td);
+	CHECK_R(tsp_pool_metadata_close(p.pmd), 0);
+	tsp_bdev_close(p.bdev);
+	snprintf(cmd, sizeof(cmd),
+		 "! command -v thin_check >/dev/null || thin_check -q %s", p.path);
+	CHECK_R(system(cmd), 0);
+	unlink(p.path);
+	check_no_leaks();
+	printf("ok   %s (%u of the next 4899 provisions refused, %u random ones done)\n",
+	       phase, refused, random_ok);
+}
+
 /*
  * Lookups from threads, fast and (every other one) through the btree,
  * while the main thread remaps blocks, commits and replaces the cache.
@@ -1100,6 +1261,7 @@ int main(int argc, char **argv)
 	test_concurrency();
 	test_metadata();
 	test_hold_freed();
+	test_provision_nowait();
 	test_metadata_concurrent();
 	tsp_user_rcu_unregister_thread();
 	return 0;

@@ -1096,10 +1096,11 @@ test_read_only_reload() {
 
 # --- 9. concurrency and integrity -------------------------------------------
 
-test_concurrent_fio_snapshot() {
+# concurrent_fio_snapshot <#features> [<feature>...]: the pool's features.
+concurrent_fio_snapshot() {
 	local pid s
 	need_targets
-	make_pool 512 0
+	make_pool 512 "$@"
 	dm_message tss-pool "create_thin 0"
 	dm_message tss-pool "create_thin 1"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
@@ -1121,12 +1122,19 @@ test_concurrent_fio_snapshot() {
 	dmsetup resume tss-thin0
 	wait $pid || { cat fio.log; fail "fio with verify failed"; }
 	grep -E 'err=|WRITE:|READ:' fio.log | sed 's/^/      /'
-	if ours; then
+	if ours && [ "$1" = 0 ]; then
 		# Batches of provisions ended on their submitters' CPUs.
 		s=$(dmsetup message tss-pool 0 stats)
 		[[ $s =~ handed_over_ios\ ([0-9]+) ]] || fail "stats: no handed_over_ios: '$s'"
 		log "bios ended on their submitters' CPUs: ${BASH_REMATCH[1]}"
 		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "no bio was handed over: '$s'"
+	elif ours; then
+		# Without zeroing, blocks provisioned in map and by the workers.
+		s=$(dmsetup message tss-pool 0 stats)
+		[[ $s =~ provisioned_in_map\ ([0-9]+) ]] ||
+			fail "stats: no provisioned_in_map: '$s'"
+		log "blocks provisioned in map: ${BASH_REMATCH[1]} ($s)"
+		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "no block was provisioned in map: '$s'"
 	fi
 
 	# Full verify pass again, reading only.
@@ -1154,6 +1162,15 @@ test_concurrent_fio_snapshot() {
 	dm_remove tss-thin0
 	dm_remove tss-thin1
 	teardown_pool
+}
+
+test_concurrent_fio_snapshot() {
+	concurrent_fio_snapshot 0
+}
+
+# Without zeroing, writes to new blocks are also provisioned in map.
+test_concurrent_fio_snapshot_nozero() {
+	concurrent_fio_snapshot 1 skip_block_zeroing
 }
 
 # --- 10. out of metadata space ----------------------------------------------
@@ -1252,5 +1269,6 @@ run_test thin_scalable_pool_outlives_table test_pool_outlives_table
 run_test thin_scalable_pool_suspend test_pool_suspend
 run_test thin_scalable_read_only_reload test_read_only_reload
 run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
+run_test thin_scalable_concurrent_fio_snapshot_nozero test_concurrent_fio_snapshot_nozero
 run_test thin_scalable_metadata_space test_metadata_space
 summary
