@@ -9,25 +9,45 @@
  * dm-bufio calls our write callback just before it writes a buffer: that
  * is where the validator fills in the location and checksum.
  *
+ * Pinning: a block written in this transaction is usually written again
+ * soon (the path to the last insert, the space map bitmap being
+ * allocated from), so a write lock keeps its buffer held after the
+ * unlock, in a small table indexed by block number, and the next write
+ * lock of that block takes it from there instead of looking it up in
+ * dm-bufio (whose lock and buffer lookup are most of a lock's cost).  A
+ * write lock of a pinned block adds no hold: the pin's hold stands for
+ * it.  A pin is dropped when another block needs its slot (unless the
+ * block is write locked), when the block is forgotten, and at every
+ * flush: after a commit no block is written in place until it is
+ * shadowed to a new one.  Read locks never use the table.
+ *
  * Locking: dm-bufio's own.  The caller guarantees a block is not read
- * while another holder has it write locked (the pool metadata lock).
- * Readers may share a buffer: the first to lock it after it was read
- * from disk checks it, and two of them may do so at once, each storing
- * the same validator.
+ * while another holder has it write locked, and that write locks, and
+ * the calls that drop pins (flush, forget, read only, destroy), are made
+ * by one holder at a time with no reader about (the pool metadata lock,
+ * held for writing), which is what makes the pin table safe to use
+ * without a lock of its own.  Readers may share a buffer: the first to
+ * lock it after it was read from disk checks it, and two of them may do
+ * so at once, each storing the same validator.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 
 #include "block-manager.h"
 
+/* Slots in the pin table; a power of two. */
+#define BM_PINNED_SLOTS 16
+
 struct tsp_block_manager {
 	struct dm_bufio_client *bufio;
 	bool read_only;
+	struct dm_buffer *pinned[BM_PINNED_SLOTS];	/* see "Pinning" */
 };
 
 /* Per-buffer state kept in dm-bufio's aux area. */
 struct bm_aux {
 	const struct tsp_block_validator *validator;	/* NULL: unchecked */
 	bool write_locked;
+	bool pinned;		/* in the pin table, holding a hold of its own */
 };
 
 static struct dm_buffer *to_buffer(struct tsp_block *b)
@@ -47,6 +67,7 @@ static void bm_alloc_callback(struct dm_buffer *buf)
 
 	aux->validator = NULL;
 	aux->write_locked = false;
+	aux->pinned = false;
 }
 
 /* dm-bufio callback, just before a buffer is written; must not fail. */
@@ -62,7 +83,8 @@ static void bm_write_callback(struct dm_buffer *buf)
 /**
  * tsp_bm_create - a block manager of 4 KiB blocks over a device
  * @bdev: the metadata device
- * @max_held: how many blocks may be locked at once (reserved buffers)
+ * @max_held: how many blocks may be locked at once (reserved buffers,
+ *	to which the pin table's slots are added)
  *
  * Context: may sleep.  Returns the block manager or an ERR_PTR.
  */
@@ -76,7 +98,8 @@ struct tsp_block_manager *tsp_bm_create(struct block_device *bdev,
 		return ERR_PTR(-ENOMEM);
 
 	bm->bufio = dm_bufio_client_create(bdev, TSP_METADATA_BLOCK_SIZE,
-					   max_held, sizeof(struct bm_aux),
+					   max_held + BM_PINNED_SLOTS,
+					   sizeof(struct bm_aux),
 					   bm_alloc_callback, bm_write_callback,
 					   0);
 	if (IS_ERR(bm->bufio)) {
@@ -89,8 +112,61 @@ struct tsp_block_manager *tsp_bm_create(struct block_device *bdev,
 	return bm;
 }
 
+static struct dm_buffer **pin_slot(struct tsp_block_manager *bm, tsp_block_t b)
+{
+	return &bm->pinned[b & (BM_PINNED_SLOTS - 1)];
+}
+
+/*
+ * Drop the pin in @slot, if any.  A write locked block keeps its pin: the
+ * lock has no hold of its own.
+ */
+static void unpin_slot(struct dm_buffer **slot)
+{
+	struct dm_buffer *buf = *slot;
+
+	if (!buf || WARN_ON_ONCE(buffer_aux(buf)->write_locked))
+		return;
+	buffer_aux(buf)->pinned = false;
+	*slot = NULL;
+	dm_bufio_release(buf);
+}
+
+static void unpin_all(struct tsp_block_manager *bm)
+{
+	unsigned int i;
+
+	for (i = 0; i < BM_PINNED_SLOTS; i++)
+		unpin_slot(&bm->pinned[i]);
+}
+
+/*
+ * Pin @buf, just write locked with a hold of its own, which the pin takes
+ * over; not if its slot holds a write locked block.
+ */
+static void pin(struct tsp_block_manager *bm, struct dm_buffer *buf)
+{
+	struct dm_buffer **slot = pin_slot(bm, dm_bufio_get_block_number(buf));
+
+	if (*slot && buffer_aux(*slot)->write_locked)
+		return;
+	unpin_slot(slot);
+	buffer_aux(buf)->pinned = true;
+	*slot = buf;
+}
+
+/* The pinned buffer of block @b, or NULL. */
+static struct dm_buffer *find_pinned(struct tsp_block_manager *bm,
+				     tsp_block_t b)
+{
+	struct dm_buffer *buf = *pin_slot(bm, b);
+
+	return buf && dm_bufio_get_block_number(buf) == b ? buf : NULL;
+}
+
 void tsp_bm_destroy(struct tsp_block_manager *bm)
 {
+	unpin_all(bm);
 	dm_bufio_client_destroy(bm->bufio);
 	kfree(bm);
 }
@@ -142,7 +218,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		   const struct tsp_block_validator *v, bool write,
 		   enum bm_source source, struct tsp_block **result)
 {
-	struct dm_buffer *buf;
+	struct dm_buffer *buf, *pinned;
 	struct bm_aux *aux;
 	void *p;
 	int r;
@@ -157,7 +233,11 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		return -EILSEQ;
 	}
 
-	if (source == BM_ZERO)
+	pinned = write ? find_pinned(bm, b) : NULL;
+	buf = pinned;
+	if (pinned)
+		p = dm_bufio_get_block_data(buf);
+	else if (source == BM_ZERO)
 		p = dm_bufio_new(bm->bufio, b, &buf);
 	else if (source == BM_CACHED)
 		p = dm_bufio_get(bm->bufio, b, &buf);
@@ -175,15 +255,21 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 	} else {
 		r = bm_validate(buf, v);
 		if (r) {
-			dm_bufio_release(buf);
+			if (!pinned)
+				dm_bufio_release(buf);
+			if (aux->pinned)
+				unpin_slot(pin_slot(bm, b));
 			dm_bufio_forget(bm->bufio, b);
 			return r;
 		}
 	}
 
 	/* Readers may share a buffer: only the (one) writer marks it. */
-	if (write)
+	if (write) {
 		aux->write_locked = true;
+		if (!aux->pinned)
+			pin(bm, buf);
+	}
 	*result = (struct tsp_block *)buf;
 	return 0;
 }
@@ -242,7 +328,7 @@ int tsp_bm_lock_cached(struct tsp_block_manager *bm, tsp_block_t b,
 	return bm_lock(bm, b, v, write, BM_CACHED, result);
 }
 
-/* Release a lock; a write locked block becomes dirty. */
+/* Release a lock; a write locked block becomes dirty (and stays pinned). */
 void tsp_bm_unlock(struct tsp_block *b)
 {
 	struct dm_buffer *buf = to_buffer(b);
@@ -251,6 +337,8 @@ void tsp_bm_unlock(struct tsp_block *b)
 	if (aux->write_locked) {
 		dm_bufio_mark_buffer_dirty(buf);
 		aux->write_locked = false;
+		if (aux->pinned)
+			return;		/* the pin keeps the hold */
 	}
 	dm_bufio_release(buf);
 }
@@ -259,25 +347,30 @@ void tsp_bm_unlock(struct tsp_block *b)
  * tsp_bm_flush - write every dirty block and flush the device cache
  * @bm: block manager
  *
- * Locked blocks are not dirty yet and are not written.  Context: may
- * sleep.  Returns 0 or an IO error.
+ * Locked blocks are not dirty yet and are not written.  Drops the pins
+ * of the blocks that are not locked.  Context: may sleep.  Returns 0 or
+ * an IO error.
  */
 int tsp_bm_flush(struct tsp_block_manager *bm)
 {
 	if (bm->read_only)
 		return -EPERM;
+	unpin_all(bm);
 	return dm_bufio_write_dirty_buffers(bm->bufio);
 }
 
 /* Drop a cached block, e.g. after it failed a check. */
 void tsp_bm_forget(struct tsp_block_manager *bm, tsp_block_t b)
 {
+	if (find_pinned(bm, b))
+		unpin_slot(pin_slot(bm, b));
 	dm_bufio_forget(bm->bufio, b);
 }
 
 void tsp_bm_set_read_only(struct tsp_block_manager *bm)
 {
 	bm->read_only = true;
+	unpin_all(bm);
 }
 
 void tsp_bm_set_read_write(struct tsp_block_manager *bm)

@@ -4,10 +4,14 @@
  * checked by a validator (checksum, location, magic) and each write
  * prepared by it.
  *
+ * Blocks written since the last flush stay held in a small pin table, so
+ * that writing one again skips dm-bufio's lookup (see block-manager.c).
+ *
  * Locking: the block manager itself takes no lock beyond dm-bufio's.  A
- * block is write locked by at most one holder at a time; the metadata
- * layer above guarantees that by holding its own lock over every write.
- * Every function may sleep.
+ * block is write locked by at most one holder at a time, and write locks,
+ * flush, forget and read only are called by one holder at a time with no
+ * reader about; the metadata layer above guarantees that by holding its
+ * own lock, for writing, over all of them.  Every function may sleep.
  */
 #ifndef TSP_BLOCK_MANAGER_H
 #define TSP_BLOCK_MANAGER_H

@@ -92,6 +92,13 @@ long tsp_bufio_live_allocs(void)
 	return __atomic_load_n(&bufio_live, __ATOMIC_RELAXED);
 }
 
+static long bufio_holds;
+
+long tsp_bufio_holds(void)
+{
+	return __atomic_load_n(&bufio_holds, __ATOMIC_RELAXED);
+}
+
 static void *bmalloc(size_t size, bool zero)
 {
 	void *p = zero ? calloc(1, size) : malloc(size);
@@ -737,6 +744,7 @@ static void __remove(struct dm_bufio_client *c, struct dm_buffer *b)
 
 static void __hold(struct dm_buffer *b)
 {
+	__atomic_add_fetch(&bufio_holds, 1, __ATOMIC_RELAXED);
 	if (!b->hold++)
 		link_del(&b->lru);
 }
@@ -978,6 +986,7 @@ void dm_bufio_release(struct dm_buffer *b)
 	pthread_mutex_lock(&c->lock);
 	if (!b->hold)
 		bufio_bug("dm_bufio_release of a buffer nobody holds");
+	__atomic_sub_fetch(&bufio_holds, 1, __ATOMIC_RELAXED);
 	if (!--b->hold)
 		link_add_tail(&b->lru, &c->lru);
 	__evict(c);

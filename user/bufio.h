@@ -57,6 +57,9 @@ int tsp_bdev_crash_apply(struct block_device *bdev, enum tsp_crash_mode mode);
  */
 long tsp_bufio_live_allocs(void);
 
+/* Holds on buffers now, over every client: each read, get or new adds one. */
+long tsp_bufio_holds(void);
+
 #define DM_BUFIO_CLIENT_NO_SLEEP 0x1
 
 struct dm_bufio_client *
