@@ -154,7 +154,8 @@ struct tsp_thin_device {
 	 * NO_MAPPED_END when unknown.  Read from the tree when the device
 	 * comes into core and on abort.  A lookup past it needs no walk: a
 	 * device filled in ascending order finds each new block unmapped
-	 * for free.
+	 * for free.  Written under @root_lock; the fast lookup reads it
+	 * without (a stale value only costs it a miss).
 	 */
 	tsp_block_t mapped_end;
 };
@@ -700,11 +701,11 @@ static void __read_mapped_end(struct tsp_thin_device *td)
 	if (!r)
 		r = tsp_btree_find_highest_key(&pmd->bl_info, root, &key);
 	if (r == -ENODATA)
-		td->mapped_end = 0;
+		WRITE_ONCE(td->mapped_end, 0);
 	else if (r)
-		td->mapped_end = NO_MAPPED_END;
+		WRITE_ONCE(td->mapped_end, NO_MAPPED_END);
 	else
-		td->mapped_end = mapped_end_past(key);
+		WRITE_ONCE(td->mapped_end, mapped_end_past(key));
 }
 
 /* tsp_pool_abort_metadata(), with @root_lock held for writing. */
@@ -760,7 +761,7 @@ static int __abort(struct tsp_pool_metadata *pmd)
 		WRITE_ONCE(td->snapshotted_time, d.snapshotted_time);
 		if (r == -ENODATA)
 			/* Its creation was aborted: lookups must find it gone. */
-			td->mapped_end = NO_MAPPED_END;
+			WRITE_ONCE(td->mapped_end, NO_MAPPED_END);
 		else
 			__read_mapped_end(td);
 		link = &td->next;
@@ -1425,7 +1426,9 @@ int tsp_thin_find_block_fast(struct tsp_thin_device *td, tsp_block_t virt,
 {
 	struct tsp_mc_mapping m;
 
-	if (!tsp_mc_lookup(rcu_dereference(td->pmd->cache), td->id, virt, &m))
+	/* Nothing is mapped there: spare the cache a lookup bound to miss. */
+	if (virt >= READ_ONCE(td->mapped_end) ||
+	    !tsp_mc_lookup(rcu_dereference(td->pmd->cache), td->id, virt, &m))
 		return -EWOULDBLOCK;
 	result->block = m.block;
 	result->shared = READ_ONCE(td->snapshotted_time) > m.time;
@@ -1589,7 +1592,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	td->changed = true;
 	if (inserted)
 		td->mapped_blocks++;
-	td->mapped_end = max(td->mapped_end, mapped_end_past(virt));
+	WRITE_ONCE(td->mapped_end, max(td->mapped_end, mapped_end_past(virt)));
 	return 0;
 }
 
