@@ -249,15 +249,26 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		return PTR_ERR(p);
 
 	aux = buffer_aux(buf);
+	if (aux->write_locked) {
+		/* Corrupt metadata: a block that points to itself, say. */
+		DMERR("metadata block %llu is already write locked",
+		      (unsigned long long)b);
+		if (!pinned)
+			dm_bufio_release(buf);
+		return -EILSEQ;
+	}
 	if (source == BM_ZERO) {
 		memset(p, 0, TSP_METADATA_BLOCK_SIZE);
 		WRITE_ONCE(aux->validator, v);
 	} else {
 		r = bm_validate(buf, v);
 		if (r) {
+			/* Only a writer may change the pin table. */
+			bool unpin = write && aux->pinned;
+
 			if (!pinned)
 				dm_bufio_release(buf);
-			if (aux->pinned)
+			if (unpin)
 				unpin_slot(pin_slot(bm, b));
 			dm_bufio_forget(bm->bufio, b);
 			return r;

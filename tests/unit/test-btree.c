@@ -613,8 +613,20 @@ static void test_pins(void)
 	CHECK(tsp_bufio_holds() == h0);
 	tsp_bm_set_read_write(bm);
 
-	/* A pinned block asked for as another kind is refused and unpinned. */
+	/* A block write locked already is refused to anyone else. */
 	pin_write(bm, 300, true, 7);
+	CHECK_R(tsp_bm_write_lock(bm, 300, &sb_validator, &wr), 0);
+	CHECK_R(tsp_bm_write_lock(bm, 300, &sb_validator, &other), -EILSEQ);
+	CHECK_R(tsp_bm_read_lock(bm, 300, &sb_validator, &other), -EILSEQ);
+	CHECK(tsp_bufio_holds() == h0 + 1);
+	tsp_bm_unlock(wr);
+	CHECK(tsp_bufio_holds() == h0 + 1);
+
+	/* A pinned block read as another kind stays pinned. */
+	CHECK_R(tsp_bm_read_lock(bm, 300, &tsp_bitmap_validator, &rd), -EILSEQ);
+	CHECK(tsp_bufio_holds() == h0 + 1);
+
+	/* A pinned block asked for as another kind is refused and unpinned. */
 	CHECK_R(tsp_bm_write_lock(bm, 300, &tsp_bitmap_validator, &wr), -EILSEQ);
 	CHECK(tsp_bufio_holds() == h0);
 
