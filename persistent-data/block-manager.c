@@ -263,13 +263,11 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 	} else {
 		r = bm_validate(buf, v);
 		if (r) {
-			/* Only a writer may change the pin table. */
-			bool unpin = write && aux->pinned;
-
-			if (!pinned)
-				dm_bufio_release(buf);
-			if (unpin)
+			/* A reader's own hold goes; a writer's pin with it. */
+			if (pinned)
 				unpin_slot(pin_slot(bm, b));
+			else
+				dm_bufio_release(buf);
 			dm_bufio_forget(bm->bufio, b);
 			return r;
 		}
@@ -278,7 +276,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 	/* Readers may share a buffer: only the (one) writer marks it. */
 	if (write) {
 		aux->write_locked = true;
-		if (!aux->pinned)
+		if (!pinned)
 			pin(bm, buf);
 	}
 	*result = (struct tsp_block *)buf;

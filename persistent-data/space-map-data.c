@@ -492,12 +492,6 @@ int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
 }
 
 /*
- * Change @b's count from @old to @count in bitmap, index and overflow.
- * Every change of the bitmap's free entries changes the bitmap block:
- * the first one after open recounts them, so nr_free is exact before it
- * is changed by one.
- */
-/*
  * Write lock bitmap @i for changing entries: shadowed, with its index
  * entry following it.  The first change after open recounts its free
  * entries, so nr_free is exact before it is changed by one.
