@@ -60,8 +60,11 @@ endif
 # Kernels "make kernels" builds for, as KVER shortcuts.
 KERNELS ?= 6.1 6.12
 
-# What a build/kmod-<kver>/ copy needs: kbuild's input and kernel sources.
-KMOD_SOURCES = Kbuild $(wildcard *.c *.h persistent-data/*.c persistent-data/*.h)
+# What a build/kmod-<kver>/ copy needs: kbuild's input and kernel sources,
+# not the *.mod.c that modpost leaves here after "make" or "make sparse":
+# an old one copied over a copy's own would be taken for up to date.
+KMOD_SOURCES = Kbuild $(filter-out %.mod.c,$(wildcard *.c *.h persistent-data/*.c \
+	persistent-data/*.h))
 
 .PHONY: all deps module modules sparse kernels tools unit tsan vm-helpers lvm2 check \
 	check-6.12 fuzz bench-meta bench clean FORCE
