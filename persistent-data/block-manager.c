@@ -226,14 +226,15 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 	if (write && bm->read_only)
 		return -EPERM;
 
-	if (b >= tsp_bm_nr_blocks(bm)) {
+	pinned = write ? find_pinned(bm, b) : NULL;
+	/* A pinned block was checked against the device's end when locked. */
+	if (!pinned && b >= tsp_bm_nr_blocks(bm)) {
 		DMERR("metadata block %llu is beyond the end of the device (%llu blocks)",
 		      (unsigned long long)b,
 		      (unsigned long long)tsp_bm_nr_blocks(bm));
 		return -EILSEQ;
 	}
 
-	pinned = write ? find_pinned(bm, b) : NULL;
 	buf = pinned;
 	if (pinned)
 		p = dm_bufio_get_block_data(buf);
