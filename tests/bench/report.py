@@ -371,6 +371,8 @@ def main():
     title = "thin-scalable bench: kernel %s, %s vCPUs, %s rounds of %s s, %s" % (
         info.get("kernel", a.kver), doc["smp"], info.get("rounds", "?"),
         info.get("runtime", "?"), doc["date"][:16].replace("T", " "))
+    if info.get("gtod_reduce") == "0":
+        title += ", fio's full timekeeping"
     print()
     print(title)
     print("(IOPS: median [min-max] over the rounds; x linear, x thin-pool: "
