@@ -1173,21 +1173,21 @@ test_concurrent_fio_snapshot_nozero() {
 	concurrent_fio_snapshot 1 skip_block_zeroing
 }
 
-# Four jobs write one 4k piece each into every 64 KiB block, side by side
-# (job i the pieces i, i+4, i+8 and i+12), so that the first writes to a
-# block race: in map against each other, and against the worker that owns
-# the block.  None of the pieces is lost, and each block is mapped once.
+# Four jobs write the sixteen 4k pieces of every 64 KiB block between
+# them, side by side (job i the pieces i, i+4, i+8 and i+12), so that the
+# first writes to a block race: in map against each other, and against
+# the worker that owns the block.  None of the pieces is lost, and each
+# block is mapped once.
 test_concurrent_first_writes_one_block() {
 	local s used
 	need_targets
 	make_pool 128 1 skip_block_zeroing
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
-	fio --name=pieces --filename=/dev/mapper/tss-thin0 --direct=1 --ioengine=libaio \
-		--iodepth=8 --numjobs=4 --rw=write:12k --bs=4k --size=60M --io_size=15M --offset_increment=4k \
-		--verify=crc32c --verify_fatal=1 --group_reporting --eta=never --output=fio.log ||
-		{ cat fio.log; fail "fio with verify failed"; }
-	grep -E 'err=|WRITE:|READ:' fio.log | sed 's/^/      /'
+	run_fio pieces --filename=/dev/mapper/tss-thin0 --iodepth=8 --numjobs=4 \
+		--rw=write:12k --bs=4k --size=60M --io_size=15M --offset_increment=4k \
+		--verify=crc32c --verify_fatal=1 --group_reporting
+	grep -E 'err=|WRITE:|READ:' pieces.log | sed 's/^/      /'
 	used=$(pool_used tss-pool)
 	[ "$used" = 960 ] || fail "960 blocks written, $used data blocks used"
 	if ours; then
