@@ -227,7 +227,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		return -EPERM;
 
 	pinned = write ? find_pinned(bm, b) : NULL;
-	/* A pinned block was checked against the device's end when locked. */
+	/* Checked against the device's end when pinned, in this transaction. */
 	if (!pinned && b >= tsp_bm_nr_blocks(bm)) {
 		DMERR("metadata block %llu is beyond the end of the device (%llu blocks)",
 		      (unsigned long long)b,
