@@ -135,6 +135,15 @@ pool_used() { # used data blocks
 	dm_status "$1" | awk '{ split($3, a, "/"); print a[1] }'
 }
 
+# pool_stat <counter>: that counter of tss-pool's stats message (ours
+# only).  In a test (set -e), "v=$(pool_stat x)" fails it if there is none.
+pool_stat() {
+	local s
+	s=$(dmsetup message tss-pool 0 stats) || fail "the stats message failed"
+	[[ $s =~ (^|\ )$1\ ([0-9]+) ]] || fail "stats: no $1: '$s'"
+	echo "${BASH_REMATCH[2]}"
+}
+
 # part <file> <byte offset> <bytes>
 part() {
 	dd if="$1" bs=64k skip="$2" count="$3" iflag=skip_bytes,count_bytes status=none

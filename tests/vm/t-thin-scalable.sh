@@ -49,9 +49,9 @@ test_basic() {
 		# maps a read over several of them as one bio, not one per block.
 		local f0 f1 kb
 		kb=$(cat /sys/dev/block/"$(devno $thin)"/queue/max_sectors_kb)
-		f0=$(dmsetup message tss-pool 0 stats | awk '{ print $2 }')
+		f0=$(pool_stat fast_ios)
 		dd if=$thin of=/dev/null bs=1M count=1 skip=3 iflag=direct status=none
-		f1=$(dmsetup message tss-pool 0 stats | awk '{ print $2 }')
+		f1=$(pool_stat fast_ios)
 		log "a 1 MiB read (max_sectors_kb $kb): $((f1 - f0)) fast IOs"
 		[ $((f1 - f0)) -le $(((1024 + kb - 1) / kb)) ] ||
 			fail "a 1 MiB read of 16 consecutive blocks took $((f1 - f0)) fast IOs"
@@ -1098,7 +1098,7 @@ test_read_only_reload() {
 
 # concurrent_fio_snapshot <#features> [<feature>...]: the pool's features.
 concurrent_fio_snapshot() {
-	local pid s
+	local pid s n
 	need_targets
 	make_pool 512 "$@"
 	dm_message tss-pool "create_thin 0"
@@ -1124,17 +1124,14 @@ concurrent_fio_snapshot() {
 	grep -E 'err=|WRITE:|READ:' fio.log | sed 's/^/      /'
 	if ours && [ "$1" = 0 ]; then
 		# Batches of provisions ended on their submitters' CPUs.
-		s=$(dmsetup message tss-pool 0 stats)
-		[[ $s =~ handed_over_ios\ ([0-9]+) ]] || fail "stats: no handed_over_ios: '$s'"
-		log "bios ended on their submitters' CPUs: ${BASH_REMATCH[1]}"
-		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "no bio was handed over: '$s'"
+		n=$(pool_stat handed_over_ios)
+		log "bios ended on their submitters' CPUs: $n"
+		[ "$n" -gt 0 ] || fail "no bio was handed over: '$(dmsetup message tss-pool 0 stats)'"
 	elif ours; then
 		# Without zeroing, blocks provisioned in map and by the workers.
-		s=$(dmsetup message tss-pool 0 stats)
-		[[ $s =~ provisioned_in_map\ ([0-9]+) ]] ||
-			fail "stats: no provisioned_in_map: '$s'"
-		log "blocks provisioned in map: ${BASH_REMATCH[1]} ($s)"
-		[ "${BASH_REMATCH[1]}" -gt 0 ] || fail "no block was provisioned in map: '$s'"
+		n=$(pool_stat provisioned_in_map)
+		log "blocks provisioned in map: $n"
+		[ "$n" -gt 0 ] || fail "no block was provisioned in map: '$(dmsetup message tss-pool 0 stats)'"
 	fi
 
 	# Full verify pass again, reading only.
@@ -1179,7 +1176,7 @@ test_concurrent_fio_snapshot_nozero() {
 # the worker that owns the block.  None of the pieces is lost, and each
 # block is mapped once.
 test_concurrent_first_writes_one_block() {
-	local s used
+	local used n
 	need_targets
 	make_pool 128 1 skip_block_zeroing
 	dm_message tss-pool "create_thin 0"
@@ -1191,10 +1188,8 @@ test_concurrent_first_writes_one_block() {
 	used=$(pool_used tss-pool)
 	[ "$used" = 960 ] || fail "960 blocks written, $used data blocks used"
 	if ours; then
-		s=$(dmsetup message tss-pool 0 stats)
-		[[ $s =~ provisioned_in_map\ ([0-9]+) ]] ||
-			fail "stats: no provisioned_in_map: '$s'"
-		log "blocks provisioned in map: ${BASH_REMATCH[1]} of 960"
+		n=$(pool_stat provisioned_in_map)
+		log "blocks provisioned in map: $n of 960"
 	fi
 	dm_remove tss-thin0
 	teardown_pool
