@@ -7,142 +7,156 @@
  * hash lookup that takes no lock at all, so many CPUs can map IO at once
  * without their caches fighting over a lock's cache line.
  *
- * Layout:
+ * Layout: per shard, a set-associative hash table.
  *
- *   tables[]   per shard, an RCU pointer to its hash table (an array of
- *              hlist heads); read by lookups, changed when a shard grows
- *   shards[]   per shard: spinlock, CLOCK list, counters; touched by
- *              writers only, so lookups never share their cache lines
+ *   tables[]   per shard, an RCU pointer to its table: an array of
+ *              buckets, each one cache line with room for MC_WAYS
+ *              mappings and a sequence count
+ *   shards[]   per shard: spinlock and counters; touched by writers only,
+ *              so lookups never share their cache lines
  *   stats      per-CPU hit and miss counters, written by lookups
  *
- *       hash(dev, virt) = | shard bits | bucket bits | ...unused...  |
+ *       key   = dev << 40 | virt
+ *       group = key >> MC_GROUP_BITS   (2^MC_GROUP_BITS neighbouring blocks)
  *
- * The top bits of a multiplicative hash pick the shard, the next ones
- * the bucket in the shard's table.  There are at least as many shards as
- * possible CPUs (at least MC_MIN_SHARDS), fewer only when the budget
- * cannot give every shard MC_MIN_SHARD_ENTRIES entries.
+ *       group * MC_HASH_MULT1 = | shard bits | first bucket bits  | ... |
+ *       group * MC_HASH_MULT2 = | second bucket bits |   ...unused...   |
+ *
+ *       bucket index = hash bits ^ (key % 2^MC_GROUP_BITS)
+ *
+ * A mapping lives in one of its key's two buckets in its shard's table,
+ * the first one while that has room: a lookup reads one line of mappings,
+ * two when the key overflowed into its second bucket or is not cached.
+ * With two choices a bucket rarely overflows while others have room.
+ * The buckets of a key are picked by a hash of its group, and the key's
+ * place in the group only permutes the low bits of the index: so a group
+ * of neighbouring blocks (a sequential run of first writes, the hot part
+ * of a volume) lives in one page of buckets, not in a page per block.
+ *
+ * A key packs the device id (24 bits, as in dm-thin) and the virtual
+ * block, a value the data block and the time as the mapping btree does
+ * (block << 24 | time).  A virtual block at or beyond 2^40 (a device over
+ * 64 PiB at the smallest block size) is never cached: a miss is always
+ * allowed.
+ *
+ * Reading a bucket: a writer changes a bucket only inside the bucket's
+ * sequence count, under the shard lock.  A lookup reads the count, the
+ * bucket and the count again, and reads the bucket again if the count
+ * moved.  If the count is odd (a writer is in the bucket) the lookup does
+ * not wait: it takes the bucket as empty.  So a lookup never spins, not
+ * even in an interrupt that came in on top of the writer (nor under
+ * PREEMPT_RT, where the writer may be preempted), and a change of one
+ * mapping is all or nothing for it on any architecture.
+ *
+ * Shards: at least as many as possible CPUs (at least MC_MIN_SHARDS),
+ * fewer only when the budget cannot give every shard MC_MIN_SHARD_BUCKETS
+ * buckets.
  *
  * Growth: a shard's table starts at 2^MC_MIN_TABLE_BITS buckets, so an
- * idle pool costs a few KiB whatever its budget, and grows fourfold
- * whenever the shard holds more than two entries per bucket, up to one
- * bucket per entry the budget allows (at most 2^MC_MAX_TABLE_BITS).
- * Growing happens in an insert, under the shard lock, with GFP_NOWAIT;
- * if that fails the shard keeps its table (longer chains) and tries
- * again at twice as many entries.  Entries move one at a time from the
- * old chains to the new table, which is published when complete; the old
- * table is freed after a grace period.  A lookup on the old table while
- * this happens may follow a moved entry into a new chain: it still ends
- * (every chain ends in NULL, no entry is freed) and still compares keys,
- * so the worst it can do is miss.
+ * idle pool costs a few KiB of tables whatever its budget, and grows
+ * fourfold when an insert finds both of its key's buckets full, up to the
+ * shard's share of the budget (at most 2^MC_MAX_TABLE_BITS buckets).
+ * That insert grows it, under the shard lock, with GFP_NOWAIT: every
+ * mapping is copied into a new table, which is then published; the old
+ * one is freed after a grace period, so a lookup still on it reads a
+ * consistent, older state.  A mapping whose two buckets in the new table
+ * are full (rare: it is a quarter as full as the old one) is dropped and
+ * counted as an eviction.  If the allocation fails, the insert evicts
+ * instead.
  *
- * An entry is immutable from the moment it is published until it is
- * freed: key (dev, virt) and value (block, time).  Changing a value
- * replaces the entry (hlist_replace_rcu()), so a reader sees the old
- * value or the new one, never a torn mix, on any architecture.  Removed
- * entries are freed with kfree_rcu(): a reader standing on one may finish
- * with it.
+ * Eviction: when a key's buckets are full and the table cannot grow, the
+ * insert evicts a mapping of the key's first bucket, chosen by CLOCK over
+ * its ways: the hand clears and skips ways looked up since it last passed,
+ * and evicts the first way it finds clear (after a full turn, the one it
+ * started at).  A lookup that hits sets its way's referenced byte, but
+ * only if it is clear, so a hot bucket's line is written once per sweep
+ * rather than once per lookup.
  *
- * Eviction: each shard keeps its entries on a list in CLOCK order; the
- * hand is the head of the list.  A lookup that hits sets the entry's
- * referenced byte, but only if it is clear, so a hot entry's cache line
- * is written once per sweep rather than once per lookup.  When a full
- * shard needs room, the hand clears referenced entries and moves them to
- * the tail, and evicts the first entry it finds clear (or, if readers
- * keep re-referencing everything, the head after two sweeps' worth of
- * steps).  New entries go to the tail, unreferenced.
- *
- * Budget: an entry costs its slab object plus one bucket head (a full
- * table holds between one half and one head per entry), so max_entries =
- * budget / (object + head).  The shard and per-CPU structs are not
- * counted.  A budget too small for one entry gives a cache that never
- * caches.
+ * Budget: a bucket costs its cache line, so max_entries = MC_WAYS per
+ * bucket of the largest tables the budget allows.  The shard and per-CPU
+ * structs are not counted.  A budget too small for a bucket gives a cache
+ * that never caches.
  *
  * Locking:
  *
- *   what                           readers (lookup)     writers
- *   tables[], and the chains       rcu_dereference      shard lock + rcu_assign
- *   entry key and value            plain (immutable)    set before publishing
- *   entry->referenced              READ/WRITE_ONCE      shard lock, WRITE_ONCE
- *   entry->clock, shard fields     never                shard lock
- *   shard->nr                      never                shard lock (WRITE_ONCE:
+ *   what                         readers (lookup)       writers
+ *   tables[]                     rcu_dereference        shard lock +
+ *                                                       rcu_assign_pointer
+ *   bucket used, key[], val[]    READ_ONCE, in the      shard lock; in the
+ *                                bucket's seq           seq, WRITE_ONCE
+ *   bucket referenced[]          READ/WRITE_ONCE        shard lock, WRITE_ONCE
+ *   bucket hand                  never                  shard lock
+ *   shard->nr                    never                  shard lock (WRITE_ONCE:
  *                                                       range invalidation
  *                                                       reads it unlocked)
- *   stats (per CPU)                this_cpu_inc         summed by get_stats
- *   table->bits                    plain                set before publishing
- *   geometry (shard_bits, ...)     plain                set at create
+ *   shard, other fields          never                  shard lock
+ *   stats (per CPU)              this_cpu_inc           summed by get_stats
+ *   table->bits, buckets         plain                  set before publishing
+ *   geometry (shard_bits, ...)   plain                  set at create
  *
- * Entries never move between shards, and a writer holds one shard lock at
+ * A key's buckets are in its shard, and a writer holds one shard lock at
  * a time, so there is no lock order.
  */
 #define DM_MSG_PREFIX "thin-scalable mapping cache"
 
 #include "mapping-cache.h"
 
+#define MC_WAYS 3			/* mappings a bucket holds */
 #define MC_MIN_SHARDS 64
-#define MC_MIN_SHARD_ENTRIES 16
-#define MC_MIN_TABLE_BITS 4
-#define MC_MAX_TABLE_BITS 17		/* 1 MiB of heads per shard */
+#define MC_MIN_SHARD_BUCKETS 4
+#define MC_MIN_TABLE_BITS 2
+#define MC_MAX_TABLE_BITS 14		/* 1 MiB of buckets per shard */
 #define MC_GROW_BITS 2
+#define MC_GROUP_BITS 6			/* 64 buckets: a 4 KiB page of them */
 /* Invalidate a range key by key when it is at most this long. */
 #define MC_RANGE_BY_KEY 16
-/* Per shard, so the count fits an unsigned int with room to spare. */
-#define MC_MAX_SHARD_ENTRIES (1U << 30)
-#define MC_HASH_MULT 0x9e3779b97f4a7c15ULL	/* 2^64 / golden ratio */
+#define MC_VIRT_BITS 40
+#define MC_TIME_BITS 24
+#define MC_HASH_MULT1 0x9e3779b97f4a7c15ULL	/* 2^64 / golden ratio */
+#define MC_HASH_MULT2 0xc2b2ae3d27d4eb4fULL	/* odd, bits well mixed */
 
 /**
- * struct mc_entry - one cached mapping
- * @hash: in its bucket's chain; readers walk it
- * @clock: in its shard's CLOCK list, while hashed (writers only)
- * @rcu: for kfree_rcu(), once unhashed and off the CLOCK list
- * @dev: thin device id
- * @virt: virtual block
- * @block: data block
- * @time: mapping time
- * @referenced: CLOCK's bit: set by lookups, cleared by the hand
+ * struct mc_bucket - room for MC_WAYS mappings, one cache line
+ * @seq: odd while a writer changes @used, @key or @val
+ * @used: bit i set: way i holds a mapping
+ * @hand: the way CLOCK looks at first (writers only)
+ * @referenced: per way, CLOCK's bit: set by lookups, cleared by the hand
+ * @key: per way, dev << MC_VIRT_BITS | virt
+ * @val: per way, block << MC_TIME_BITS | time
  */
-struct mc_entry {
-	struct hlist_node hash;
-	union {
-		struct list_head clock;
-		struct rcu_head rcu;
-	};
-	u64 dev;
-	u64 virt;
-	u64 block;
-	u32 time;
-	u8 referenced;
-};
+struct mc_bucket {
+	seqcount_t seq;
+	u8 used;
+	u8 hand;
+	u8 referenced[MC_WAYS];
+	u64 key[MC_WAYS];
+	u64 val[MC_WAYS];
+} ____cacheline_aligned;
 
 /**
  * struct mc_table - one shard's hash table
  * @bits: log2 of the number of buckets
- * @buckets: chains of struct mc_entry (a separate allocation, so that its
- *	size is a power of two)
+ * @buckets: the buckets (a separate allocation, so that its size is a
+ *	power of two and kmalloc aligns it to a cache line)
  * @rcu: for freeing it once replaced
  */
 struct mc_table {
 	unsigned int bits;
-	struct hlist_head *buckets;
+	struct mc_bucket *buckets;
 	struct rcu_head rcu;
 };
 
 /**
  * struct mc_shard - what the writers of one shard share
- * @lock: protects everything here, the shard's table pointer and chains
- * @clock: entries in CLOCK order, the hand at the head
- * @nr: entries in the shard
- * @max: entries the shard may hold
+ * @lock: protects everything here, the shard's table pointer and buckets
+ * @nr: mappings in the shard
  * @max_bits: the largest table the shard may grow to
- * @grow_at: grow the table when @nr exceeds this
- * @evictions: entries CLOCK dropped
+ * @evictions: mappings CLOCK dropped
  */
 struct mc_shard {
 	spinlock_t lock;
-	struct list_head clock;
 	unsigned int nr;
-	unsigned int max;
 	unsigned int max_bits;
-	unsigned int grow_at;
 	u64 evictions;
 } ____cacheline_aligned_in_smp;
 
@@ -161,42 +175,73 @@ struct tsp_mapping_cache {
 	struct mc_shard *shards;
 };
 
-/* Bytes one entry costs: its slab object and a bucket head. */
-static u64 mc_entry_cost(void)
+/* The key of (@dev, @virt); false if it cannot be cached. */
+static bool mc_key(u64 dev, u64 virt, u64 *key)
 {
-	return round_up(sizeof(struct mc_entry), 32) + sizeof(struct hlist_head);
+	if (dev >> (64 - MC_VIRT_BITS) || virt >> MC_VIRT_BITS)
+		return false;
+	*key = dev << MC_VIRT_BITS | virt;
+	return true;
 }
 
-static u64 mc_hash(u64 dev, u64 virt)
+/* The value of (@block, @time); false if it cannot be cached. */
+static bool mc_value(u64 block, u32 time, u64 *val)
 {
-	/* Injective for virt < 2^40 and 24-bit ids; the top bits are used. */
-	return (virt ^ (dev << 40)) * MC_HASH_MULT;
+	if (block >> (64 - MC_TIME_BITS) || time >> MC_TIME_BITS)
+		return false;
+	*val = block << MC_TIME_BITS | time;
+	return true;
 }
 
-static unsigned int mc_shard_index(const struct tsp_mapping_cache *mc, u64 h)
+static unsigned int mc_shard_index(const struct tsp_mapping_cache *mc, u64 key)
 {
+	u64 h = (key >> MC_GROUP_BITS) * MC_HASH_MULT1;
+
 	return mc->shard_bits ? h >> (64 - mc->shard_bits) : 0;
 }
 
-static struct hlist_head *mc_bucket(const struct tsp_mapping_cache *mc,
-				    struct mc_table *t, u64 h)
+/* @key's first (@second false) or second bucket in @t. */
+static struct mc_bucket *mc_bucket(const struct tsp_mapping_cache *mc,
+				   struct mc_table *t, u64 key, bool second)
 {
-	h <<= mc->shard_bits;
-	return &t->buckets[t->bits ? h >> (64 - t->bits) : 0];
+	u64 group = key >> MC_GROUP_BITS;
+	u64 h = second ? group * MC_HASH_MULT2 :
+			 (group * MC_HASH_MULT1) << mc->shard_bits;
+	unsigned int index = t->bits ? h >> (64 - t->bits) : 0;
+
+	index ^= key & ((1U << MC_GROUP_BITS) - 1);
+	return &t->buckets[index & ((1U << t->bits) - 1)];
+}
+
+/*
+ * The way of @b that holds @key, or -1.  A lookup calls it inside @b's
+ * sequence count, a writer under the shard lock.
+ */
+static int mc_find_way(const struct mc_bucket *b, u64 key)
+{
+	unsigned int used = READ_ONCE(b->used), i;
+
+	for (i = 0; i < MC_WAYS; i++)
+		if ((used & (1U << i)) && READ_ONCE(b->key[i]) == key)
+			return i;
+	return -1;
 }
 
 static struct mc_table *mc_table_alloc(unsigned int bits, gfp_t gfp)
 {
 	struct mc_table *t = kmalloc(sizeof(*t), gfp);
+	unsigned int i;
 
 	if (!t)
 		return NULL;
 	t->bits = bits;
-	t->buckets = kcalloc(1U << bits, sizeof(struct hlist_head), gfp);
+	t->buckets = kcalloc(1U << bits, sizeof(struct mc_bucket), gfp);
 	if (!t->buckets) {
 		kfree(t);
 		return NULL;
 	}
+	for (i = 0; i < (1U << bits); i++)
+		seqcount_init(&t->buckets[i].seq);
 	return t;
 }
 
@@ -221,14 +266,9 @@ static struct mc_table *__table(struct tsp_mapping_cache *mc,
 					 lockdep_is_held(&shard->lock));
 }
 
-static unsigned int mc_grow_at(unsigned int bits, unsigned int max_bits)
-{
-	return bits < max_bits ? 2U << bits : UINT_MAX;
-}
-
 /**
  * tsp_mc_create - make an empty cache
- * @budget: bytes the entries and the bucket array may take
+ * @budget: bytes the tables may take
  * @result: the new cache
  *
  * Context: process, may sleep (GFP_KERNEL).
@@ -237,20 +277,16 @@ static unsigned int mc_grow_at(unsigned int bits, unsigned int max_bits)
  */
 int tsp_mc_create(u64 budget, struct tsp_mapping_cache **result)
 {
+	u64 nr_buckets = div_u64(budget, sizeof(struct mc_bucket)), per_shard;
 	unsigned int nr_shards, i, bits, max_bits;
 	struct tsp_mapping_cache *mc;
-	u64 max_entries, per_shard;
 
-	max_entries = div_u64(budget, (u32)mc_entry_cost());
 	nr_shards = max_t(unsigned int, MC_MIN_SHARDS,
 			  roundup_pow_of_two(num_possible_cpus()));
 	while (nr_shards > 1 &&
-	       max_entries < (u64)nr_shards * MC_MIN_SHARD_ENTRIES)
+	       nr_buckets < (u64)nr_shards * MC_MIN_SHARD_BUCKETS)
 		nr_shards >>= 1;
-	per_shard = min_t(u64, div_u64(max_entries, nr_shards),
-			  MC_MAX_SHARD_ENTRIES);
-
-	/* Full, a table has between one and two entries per bucket. */
+	per_shard = div_u64(nr_buckets, nr_shards);
 	max_bits = per_shard ? min_t(unsigned int, ilog2(per_shard),
 				     MC_MAX_TABLE_BITS) : 0;
 	bits = min_t(unsigned int, max_bits, MC_MIN_TABLE_BITS);
@@ -260,7 +296,8 @@ int tsp_mc_create(u64 budget, struct tsp_mapping_cache **result)
 		return -ENOMEM;
 	mc->nr_shards = nr_shards;
 	mc->shard_bits = ilog2(nr_shards);
-	mc->max_entries = per_shard * nr_shards;
+	if (per_shard)
+		mc->max_entries = ((u64)nr_shards << max_bits) * MC_WAYS;
 
 	mc->shards = kcalloc(nr_shards, sizeof(struct mc_shard), GFP_KERNEL);
 	if (!mc->shards)
@@ -278,10 +315,7 @@ int tsp_mc_create(u64 budget, struct tsp_mapping_cache **result)
 			goto bad_table;
 		RCU_INIT_POINTER(mc->tables[i], t);
 		spin_lock_init(&mc->shards[i].lock);
-		INIT_LIST_HEAD(&mc->shards[i].clock);
-		mc->shards[i].max = per_shard;
 		mc->shards[i].max_bits = max_bits;
-		mc->shards[i].grow_at = mc_grow_at(bits, max_bits);
 	}
 	*result = mc;
 	return 0;
@@ -300,36 +334,55 @@ bad_shards:
 }
 
 /**
- * tsp_mc_destroy - free a cache and every entry in it
+ * tsp_mc_destroy - free a cache
  * @mc: the cache, or NULL
  *
  * The caller guarantees that nobody uses @mc any more, lookups included
- * (after unpublishing it, wait for a grace period first).  Entries still
- * in it are freed at once.  Then rcu_barrier() waits for the tables that
- * growing replaced: their callback is this module's code, so it must
- * have run before the module can go.  (In the kernel, entries handed to
- * kfree_rcu() need nothing of ours and are not waited for; in userspace
- * rcu_barrier() runs every queued free, so tests can count leaks.)
+ * (after unpublishing it, wait for a grace period first).  Then
+ * rcu_barrier() waits for the tables that growing replaced: their
+ * callback is this module's code, so it must have run before the module
+ * can go.
  *
  * Context: process, may sleep.
  */
 void tsp_mc_destroy(struct tsp_mapping_cache *mc)
 {
-	struct mc_entry *e, *tmp;
 	unsigned int i;
 
 	if (!mc)
 		return;
-	for (i = 0; i < mc->nr_shards; i++) {
-		list_for_each_entry_safe(e, tmp, &mc->shards[i].clock, clock)
-			kfree(e);
+	for (i = 0; i < mc->nr_shards; i++)
 		mc_table_free(rcu_dereference_protected(mc->tables[i], true));
-	}
 	rcu_barrier();
 	free_percpu(mc->stats);
 	kfree(mc->tables);
 	kfree(mc->shards);
 	kfree(mc);
+}
+
+/*
+ * Look for @key in @b without a lock (see "Reading a bucket"); on a hit
+ * set @val and the way's referenced byte.
+ */
+static bool mc_read_bucket(struct mc_bucket *b, u64 key, u64 *val)
+{
+	unsigned int seq;
+	int way;
+
+	do {
+		seq = raw_read_seqcount(&b->seq);
+		if (seq & 1)
+			return false;
+		way = mc_find_way(b, key);
+		if (way >= 0)
+			*val = READ_ONCE(b->val[way]);
+	} while (read_seqcount_retry(&b->seq, seq));
+
+	if (way < 0)
+		return false;
+	if (!READ_ONCE(b->referenced[way]))
+		WRITE_ONCE(b->referenced[way], 1);
+	return true;
 }
 
 /**
@@ -340,9 +393,9 @@ void tsp_mc_destroy(struct tsp_mapping_cache *mc)
  * @result: out, the mapping on a hit
  *
  * Context: any; inside the caller's rcu_read_lock(), which keeps @mc's
- * tables and entries alive while it runs.  Never sleeps and takes no
- * lock; writes only this CPU's counters and, the first time an entry is
- * hit after CLOCK cleared it, the entry's referenced byte.
+ * tables alive while it runs.  Never waits and takes no lock; writes only
+ * this CPU's counters and, the first time a mapping is hit after CLOCK
+ * cleared it, its referenced byte.
  *
  * Return: true on a hit.  A hit is a mapping the cache held at some
  * moment during the call: an update that completed before the call
@@ -351,114 +404,143 @@ void tsp_mc_destroy(struct tsp_mapping_cache *mc)
 bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		   struct tsp_mc_mapping *result)
 {
-	u64 h = mc_hash(dev, virt);
 	struct mc_table *t;
-	struct mc_entry *e;
 	bool hit = false;
+	u64 key, val;
 
 	RCU_LOCKDEP_WARN(!rcu_read_lock_held(), "mapping cache lookup outside RCU");
-	t = rcu_dereference(mc->tables[mc_shard_index(mc, h)]);
-	hlist_for_each_entry_rcu(e, mc_bucket(mc, t, h), hash) {
-		if (e->virt == virt && e->dev == dev) {
-			result->block = e->block;
-			result->time = e->time;
-			if (!READ_ONCE(e->referenced))
-				WRITE_ONCE(e->referenced, 1);
-			hit = true;
-			break;
-		}
+	if (mc_key(dev, virt, &key)) {
+		t = rcu_dereference(mc->tables[mc_shard_index(mc, key)]);
+		hit = mc_read_bucket(mc_bucket(mc, t, key, false), key, &val) ||
+		      mc_read_bucket(mc_bucket(mc, t, key, true), key, &val);
 	}
-	if (hit)
+	if (hit) {
+		result->block = val >> MC_TIME_BITS;
+		result->time = val & ((1U << MC_TIME_BITS) - 1);
 		this_cpu_inc(mc->stats->hits);
-	else
+	} else {
 		this_cpu_inc(mc->stats->misses);
+	}
 	return hit;
 }
 
-static struct mc_entry *__find(struct tsp_mapping_cache *mc,
-			       struct mc_shard *shard, u64 h, u64 dev, u64 virt)
+/* The bucket and @way that hold @key, or NULL. */
+static struct mc_bucket *__find(struct tsp_mapping_cache *mc,
+				struct mc_table *t, u64 key, int *way)
 {
-	struct mc_entry *e;
+	struct mc_bucket *b = mc_bucket(mc, t, key, false);
 
-	hlist_for_each_entry(e, mc_bucket(mc, __table(mc, shard), h), hash)
-		if (e->virt == virt && e->dev == dev)
-			return e;
-	return NULL;
+	*way = mc_find_way(b, key);
+	if (*way >= 0)
+		return b;
+	b = mc_bucket(mc, t, key, true);
+	*way = mc_find_way(b, key);
+	return *way >= 0 ? b : NULL;
+}
+
+/* Put (@key, @val) in @way of @b, which lookups may be reading. */
+static void __set_way(struct mc_bucket *b, unsigned int way, u64 key, u64 val)
+{
+	raw_write_seqcount_begin(&b->seq);
+	WRITE_ONCE(b->key[way], key);
+	WRITE_ONCE(b->val[way], val);
+	WRITE_ONCE(b->used, b->used | (1U << way));
+	raw_write_seqcount_end(&b->seq);
+}
+
+/* Empty the ways of @b in @ways (a mask). */
+static void __clear_ways(struct mc_shard *shard, struct mc_bucket *b,
+			 unsigned int ways)
+{
+	unsigned int i;
+
+	raw_write_seqcount_begin(&b->seq);
+	WRITE_ONCE(b->used, b->used & ~ways);
+	raw_write_seqcount_end(&b->seq);
+	for (i = 0; i < MC_WAYS; i++)
+		if (ways & (1U << i))
+			WRITE_ONCE(shard->nr, shard->nr - 1);
+}
+
+/* A free way of @b, or -1. */
+static int mc_free_way(const struct mc_bucket *b)
+{
+	unsigned int i;
+
+	for (i = 0; i < MC_WAYS; i++)
+		if (!(b->used & (1U << i)))
+			return i;
+	return -1;
+}
+
+/* A free way in one of @key's buckets of @t: its bucket, or NULL. */
+static struct mc_bucket *__room(struct tsp_mapping_cache *mc,
+				struct mc_table *t, u64 key, int *way)
+{
+	struct mc_bucket *b = mc_bucket(mc, t, key, false);
+
+	*way = mc_free_way(b);
+	if (*way >= 0)
+		return b;
+	b = mc_bucket(mc, t, key, true);
+	*way = mc_free_way(b);
+	return *way >= 0 ? b : NULL;
+}
+
+/* The way of the full bucket @b that CLOCK gives up (see "Eviction"). */
+static unsigned int __clock_victim(struct mc_bucket *b)
+{
+	unsigned int way = b->hand, steps;
+
+	for (steps = 0; steps < MC_WAYS && READ_ONCE(b->referenced[way]); steps++) {
+		WRITE_ONCE(b->referenced[way], 0);
+		way = (way + 1) % MC_WAYS;
+	}
+	b->hand = (way + 1) % MC_WAYS;
+	return way;
 }
 
 /*
- * Move @e, which lookups may be standing on, from its chain to the head
- * of @to.  Unlike hlist_add_head_rcu(), whose node is not yet visible,
- * @e's next pointer is published: a lookup standing on @e then goes on
- * along either chain.
+ * Give the shard a table up to MC_GROW_BITS larger, copying every mapping
+ * (see "Growth").  Return: false if it is as large as it may be, or the
+ * allocation failed.
  */
-static void __move_entry(struct mc_entry *e, struct hlist_head *to)
-{
-	struct hlist_node *first = to->first;
-
-	hlist_del_rcu(&e->hash);
-	rcu_assign_pointer(hlist_next_rcu(&e->hash), first);
-	e->hash.pprev = &to->first;
-	if (first)
-		first->pprev = &e->hash.next;
-	rcu_assign_pointer(hlist_first_rcu(to), &e->hash);
-}
-
-/*
- * Give the shard a table MC_GROW_BITS larger, moving every entry (see
- * "Growth" at the top).  No change if the allocation fails.
- */
-static void __grow(struct tsp_mapping_cache *mc, struct mc_shard *shard)
+static bool __grow(struct tsp_mapping_cache *mc, struct mc_shard *shard)
 {
 	struct mc_table *old = __table(mc, shard), *new;
-	unsigned int bits, i;
-	struct hlist_node *n;
-	struct mc_entry *e;
+	struct mc_bucket *from, *to;
+	unsigned int i, way, bits;
+	int free_way;
+	u64 key;
 
+	if (old->bits >= shard->max_bits)
+		return false;
 	bits = min(old->bits + MC_GROW_BITS, shard->max_bits);
 	new = mc_table_alloc(bits, GFP_NOWAIT | __GFP_NOWARN);
-	if (!new) {
-		shard->grow_at = shard->nr < UINT_MAX / 2 ? 2 * shard->nr : UINT_MAX;
-		return;
-	}
+	if (!new)
+		return false;
+
 	for (i = 0; i < (1U << old->bits); i++) {
-		while ((n = old->buckets[i].first)) {
-			e = hlist_entry(n, struct mc_entry, hash);
-			__move_entry(e, mc_bucket(mc, new,
-						  mc_hash(e->dev, e->virt)));
+		from = &old->buckets[i];
+		for (way = 0; way < MC_WAYS; way++) {
+			if (!(from->used & (1U << way)))
+				continue;
+			key = from->key[way];
+			to = __room(mc, new, key, &free_way);
+			if (!to) {
+				WRITE_ONCE(shard->nr, shard->nr - 1);
+				shard->evictions++;
+				continue;
+			}
+			to->key[free_way] = key;
+			to->val[free_way] = from->val[way];
+			to->referenced[free_way] = READ_ONCE(from->referenced[way]);
+			to->used |= 1U << free_way;
 		}
 	}
 	rcu_assign_pointer(mc->tables[shard - mc->shards], new);
 	call_rcu(&old->rcu, mc_table_free_rcu);
-	shard->grow_at = mc_grow_at(bits, shard->max_bits);
-}
-
-/* Unhash @e; it is freed once current readers are done with it. */
-static void __remove(struct mc_shard *shard, struct mc_entry *e)
-{
-	lockdep_assert_held(&shard->lock);
-	hlist_del_rcu(&e->hash);
-	list_del(&e->clock);
-	WRITE_ONCE(shard->nr, shard->nr - 1);
-	kfree_rcu(e, rcu);
-}
-
-/* Make room for one entry in a non-empty shard: one step of CLOCK. */
-static void __evict_one(struct mc_shard *shard)
-{
-	unsigned int steps = 2 * shard->nr;
-	struct mc_entry *e;
-
-	lockdep_assert_held(&shard->lock);
-	for (;;) {
-		e = list_first_entry(&shard->clock, struct mc_entry, clock);
-		if (!READ_ONCE(e->referenced) || !steps--)
-			break;
-		WRITE_ONCE(e->referenced, 0);
-		list_move_tail(&e->clock, &shard->clock);
-	}
-	__remove(shard, e);
-	shard->evictions++;
+	return true;
 }
 
 /**
@@ -470,8 +552,10 @@ static void __evict_one(struct mc_shard *shard)
  * @time: mapping time
  *
  * Afterwards the cache holds either this mapping for (@dev, @virt) or
- * none: if the allocation fails (GFP_NOWAIT) an older entry for the key
- * is removed rather than left behind.  A full shard evicts one entry.
+ * none: a mapping that cannot be cached (see "key" and "value" at the
+ * top) removes an older one for the key rather than leave it behind.
+ * When the key's buckets are full the table grows or, if it cannot,
+ * CLOCK evicts a mapping.
  *
  * Context: process (not interrupt); does not sleep.  Takes the key's
  * shard lock.
@@ -481,49 +565,40 @@ static void __evict_one(struct mc_shard *shard)
 bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		   u64 block, u32 time)
 {
-	u64 h = mc_hash(dev, virt);
-	struct mc_shard *shard = &mc->shards[mc_shard_index(mc, h)];
-	struct mc_entry *old, *e;
+	struct mc_shard *shard;
+	struct mc_bucket *b;
+	bool cacheable;
+	u64 key, val;
+	int way;
 
-	if (!shard->max)
+	if (!mc->max_entries || !mc_key(dev, virt, &key))
 		return false;
+	cacheable = mc_value(block, time, &val);
+	shard = &mc->shards[mc_shard_index(mc, key)];
 
 	spin_lock(&shard->lock);
-	old = __find(mc, shard, h, dev, virt);
-	if (old && old->block == block && old->time == time) {
-		spin_unlock(&shard->lock);
-		return true;
-	}
-
-	e = kmalloc(sizeof(*e), GFP_NOWAIT | __GFP_NOWARN);
-	if (!e) {
-		if (old)
-			__remove(shard, old);
-		spin_unlock(&shard->lock);
-		return false;
-	}
-	e->dev = dev;
-	e->virt = virt;
-	e->block = block;
-	e->time = time;
-	e->referenced = 0;
-
-	if (old) {
-		/* Same chain position and CLOCK position: one atomic switch. */
-		hlist_replace_rcu(&old->hash, &e->hash);
-		list_replace(&old->clock, &e->clock);
-		kfree_rcu(old, rcu);
-	} else {
-		if (shard->nr >= shard->max)
-			__evict_one(shard);
-		hlist_add_head_rcu(&e->hash, mc_bucket(mc, __table(mc, shard), h));
-		list_add_tail(&e->clock, &shard->clock);
-		WRITE_ONCE(shard->nr, shard->nr + 1);
-		if (shard->nr > shard->grow_at)
-			__grow(mc, shard);
+	b = __find(mc, __table(mc, shard), key, &way);
+	if (b) {
+		if (!cacheable)
+			__clear_ways(shard, b, 1U << way);
+		else if (b->val[way] != val)
+			__set_way(b, way, key, val);
+	} else if (cacheable) {
+		b = __room(mc, __table(mc, shard), key, &way);
+		if (!b && __grow(mc, shard))
+			b = __room(mc, __table(mc, shard), key, &way);
+		if (b) {
+			WRITE_ONCE(shard->nr, shard->nr + 1);
+		} else {
+			b = mc_bucket(mc, __table(mc, shard), key, false);
+			way = __clock_victim(b);
+			shard->evictions++;
+		}
+		WRITE_ONCE(b->referenced[way], 0);
+		__set_way(b, way, key, val);
 	}
 	spin_unlock(&shard->lock);
-	return true;
+	return cacheable;
 }
 
 /**
@@ -539,56 +614,69 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
  */
 void tsp_mc_invalidate(struct tsp_mapping_cache *mc, u64 dev, u64 virt)
 {
-	u64 h = mc_hash(dev, virt);
-	struct mc_shard *shard = &mc->shards[mc_shard_index(mc, h)];
-	struct mc_entry *e;
+	struct mc_shard *shard;
+	struct mc_bucket *b;
+	u64 key;
+	int way;
 
-	if (!shard->max)
+	if (!mc->max_entries || !mc_key(dev, virt, &key))
 		return;
+	shard = &mc->shards[mc_shard_index(mc, key)];
 	spin_lock(&shard->lock);
-	e = __find(mc, shard, h, dev, virt);
-	if (e)
-		__remove(shard, e);
+	b = __find(mc, __table(mc, shard), key, &way);
+	if (b)
+		__clear_ways(shard, b, 1U << way);
 	spin_unlock(&shard->lock);
 }
 
-/* Remove, shard by shard, every entry @match() picks. */
+/* Remove, shard by shard, every mapping whose key @match() picks. */
 static void mc_remove_matching(struct tsp_mapping_cache *mc,
-			       bool (*match)(const struct mc_entry *e,
-					     u64 dev, u64 begin, u64 end),
+			       bool (*match)(u64 key, u64 dev, u64 begin,
+					     u64 end),
 			       u64 dev, u64 begin, u64 end)
 {
-	struct mc_entry *e, *tmp;
+	unsigned int i, j, way, ways;
 	struct mc_shard *shard;
-	unsigned int i;
+	struct mc_table *t;
+	struct mc_bucket *b;
 
 	for (i = 0; i < mc->nr_shards; i++) {
 		shard = &mc->shards[i];
 		spin_lock(&shard->lock);
-		list_for_each_entry_safe(e, tmp, &shard->clock, clock)
-			if (match(e, dev, begin, end))
-				__remove(shard, e);
+		t = __table(mc, shard);
+		for (j = 0; j < (1U << t->bits); j++) {
+			b = &t->buckets[j];
+			ways = 0;
+			for (way = 0; way < MC_WAYS; way++)
+				if ((b->used & (1U << way)) &&
+				    match(b->key[way], dev, begin, end))
+					ways |= 1U << way;
+			if (ways)
+				__clear_ways(shard, b, ways);
+		}
 		spin_unlock(&shard->lock);
 		cond_resched();
 	}
 }
 
-static bool match_range(const struct mc_entry *e, u64 dev, u64 begin, u64 end)
+static bool match_range(u64 key, u64 dev, u64 begin, u64 end)
 {
-	return e->dev == dev && e->virt >= begin && e->virt < end;
+	u64 virt = key & ((1ULL << MC_VIRT_BITS) - 1);
+
+	return key >> MC_VIRT_BITS == dev && virt >= begin && virt < end;
 }
 
-static bool match_dev(const struct mc_entry *e, u64 dev, u64 begin, u64 end)
+static bool match_dev(u64 key, u64 dev, u64 begin, u64 end)
 {
-	return e->dev == dev;
+	return key >> MC_VIRT_BITS == dev;
 }
 
-static bool match_all(const struct mc_entry *e, u64 dev, u64 begin, u64 end)
+static bool match_all(u64 key, u64 dev, u64 begin, u64 end)
 {
 	return true;
 }
 
-/* Entries cached now, read without the shard locks: an estimate. */
+/* Mappings cached now, read without the shard locks: an estimate. */
 static u64 mc_nr_entries(struct tsp_mapping_cache *mc)
 {
 	u64 nr = 0;
@@ -606,8 +694,8 @@ static u64 mc_nr_entries(struct tsp_mapping_cache *mc)
  * @begin: first virtual block
  * @end: one past the last
  *
- * Short ranges (up to the number of cached entries) are removed key by
- * key; longer ones by a walk of every shard's entries, whichever is less
+ * Short ranges (up to the number of cached mappings) are removed key by
+ * key; longer ones by a walk of every shard's table, whichever is less
  * work.  Same visibility as tsp_mc_invalidate().
  *
  * Context: process; may reschedule between shards (cond_resched()).
@@ -618,6 +706,8 @@ void tsp_mc_invalidate_range(struct tsp_mapping_cache *mc, u64 dev,
 {
 	u64 virt;
 
+	/* Nothing at or beyond 2^MC_VIRT_BITS is cached. */
+	end = min_t(u64, end, 1ULL << MC_VIRT_BITS);
 	if (begin >= end)
 		return;
 	if (end - begin <= MC_RANGE_BY_KEY || end - begin <= mc_nr_entries(mc)) {
@@ -633,7 +723,7 @@ void tsp_mc_invalidate_range(struct tsp_mapping_cache *mc, u64 dev,
  * @mc: the cache
  * @dev: thin device id
  *
- * Context: process; may reschedule between shards.  Walks every entry.
+ * Context: process; may reschedule between shards.  Walks every table.
  */
 void tsp_mc_invalidate_dev(struct tsp_mapping_cache *mc, u64 dev)
 {

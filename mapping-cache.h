@@ -6,9 +6,9 @@
  * It sits in front of the btrees of dm-thin-metadata.c, which keeps it a
  * subset of the metadata (see dm-thin-metadata.h for that contract).
  *
- * The cache has a byte budget; when a shard is full an insert evicts with
- * CLOCK.  An insert may also fail to allocate (GFP_NOWAIT): a miss is
- * always allowed, a wrong answer never.
+ * The cache has a byte budget; an insert that finds no room evicts with
+ * CLOCK (the tables grow up to the budget, when GFP_NOWAIT can allocate).
+ * A miss is always allowed, a wrong answer never.
  *
  * Contexts (every function; details in the kernel-doc in mapping-cache.c):
  *

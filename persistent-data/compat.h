@@ -34,6 +34,8 @@
  *                      child (the crash tests) works like its parent.
  *   hlist, list     -> the subset of <linux/list.h> and <linux/rculist.h>
  *                      used, with the kernel's semantics
+ *   seqcount_t      -> the raw_ subset of <linux/seqlock.h>: C11 release
+ *                      and acquire fences around relaxed atomics
  *   per-CPU data    -> TSP_USER_NR_CPUS copies; a thread uses the copy
  *                      numbered by the order in which it first asked (mod
  *                      TSP_USER_NR_CPUS), so counters are exact up to that
@@ -85,6 +87,7 @@
 #include <linux/list.h>
 #include <linux/rcupdate.h>
 #include <linux/rculist.h>
+#include <linux/seqlock.h>
 
 #else /* userspace */
 
@@ -245,11 +248,62 @@ bool tsp_user_rwsem_held(struct rw_semaphore *s);
 #define __rcu
 #define __percpu
 #define ____cacheline_aligned_in_smp
+#define ____cacheline_aligned __attribute__((aligned(64)))
 #define ilog2(n) (63 - __builtin_clzll((u64)(n)))
 #define is_power_of_2(n) ((n) != 0 && (((n) & ((n) - 1)) == 0))
 static inline unsigned long roundup_pow_of_two(unsigned long n)
 {
 	return n <= 1 ? 1 : 1UL << (64 - __builtin_clzl(n - 1));
+}
+
+/*
+ * seqcount_t: the raw_ subset (no lockdep), with the kernel's barriers as
+ * C11 fences.  The data a sequence count guards must be read and written
+ * with READ_ONCE()/WRITE_ONCE().  ThreadSanitizer does not model fences
+ * (GCC refuses them under -fsanitize=thread), so there the ordering comes
+ * from read-modify-writes of the count instead: the writer's increment
+ * acquires and a reader's final read releases (a fetch_add of 0), which
+ * orders the reader's loads of the data before the writer's stores when
+ * the reader's read comes first.
+ */
+typedef struct {
+	unsigned int sequence;
+} seqcount_t;
+
+static inline void seqcount_init(seqcount_t *s)
+{
+	WRITE_ONCE(s->sequence, 0);
+}
+
+static inline unsigned int raw_read_seqcount(const seqcount_t *s)
+{
+	return __atomic_load_n(&s->sequence, __ATOMIC_ACQUIRE);
+}
+
+static inline int read_seqcount_retry(seqcount_t *s, unsigned int start)
+{
+#ifdef __SANITIZE_THREAD__
+	return __atomic_fetch_add(&s->sequence, 0, __ATOMIC_RELEASE) != start;
+#else
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	return READ_ONCE(s->sequence) != start;
+#endif
+}
+
+static inline void raw_write_seqcount_begin(seqcount_t *s)
+{
+#ifdef __SANITIZE_THREAD__
+	__atomic_fetch_add(&s->sequence, 1, __ATOMIC_ACQUIRE);
+#else
+	WRITE_ONCE(s->sequence, READ_ONCE(s->sequence) + 1);
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+#endif
+}
+
+static inline void raw_write_seqcount_end(seqcount_t *s)
+{
+	__atomic_store_n(&s->sequence, READ_ONCE(s->sequence) + 1,
+			 __ATOMIC_RELEASE);
 }
 
 /* Lists: struct list_head and struct hlist_*, the kernel's semantics. */

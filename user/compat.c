@@ -10,8 +10,9 @@
  *
  * Allocation: every kmalloc-family call goes through tsp_user_alloc(),
  * which counts live allocations (tsp_user_live_allocs()) so a test can
- * check a phase left nothing behind.  Failure injection, for error path
- * tests:
+ * check a phase left nothing behind, and aligns a power-of-two size
+ * naturally (up to a page) as kmalloc does.  Failure injection, for error
+ * path tests:
  *   tsp_user_fail_alloc_after(n)  the next n allocations succeed, every
  *                                 one after that fails until
  *                                 tsp_user_fail_alloc_after(-1)
@@ -112,7 +113,15 @@ void *tsp_user_alloc(size_t size, gfp_t gfp)
 	/* kmalloc(0) returns a unique pointer that must still be freed. */
 	if (!size)
 		size = 1;
-	p = (gfp & __GFP_ZERO) ? calloc(1, size) : malloc(size);
+	/* Like kmalloc, a power-of-two size up to a page is naturally aligned. */
+	if (size >= 64 && is_power_of_2(size)) {
+		if (posix_memalign(&p, size < 4096 ? size : 4096, size))
+			p = NULL;
+		else if (gfp & __GFP_ZERO)
+			memset(p, 0, size);
+	} else {
+		p = (gfp & __GFP_ZERO) ? calloc(1, size) : malloc(size);
+	}
 	if (p)
 		__atomic_add_fetch(&live_allocs, 1, __ATOMIC_RELAXED);
 	return p;

@@ -285,7 +285,7 @@ int main(int argc, char **argv)
 	lookups(&p, nr, 2000000);
 	cached_us = row("lookup, random, warm cache", 2000000, now() - t);
 
-	/* Every mapping in the mapping cache (72 bytes each), then fast. */
+	/* Every mapping in the mapping cache (room to spare), then fast. */
 	TRY(tsp_pool_metadata_set_cache_budget(p.pmd, 2 * 72 * nr + (1 << 20)));
 	for (i = 0; i < nr; i++)
 		TRY(tsp_thin_find_block(p.td, i, &res));
