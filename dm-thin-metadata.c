@@ -1647,8 +1647,8 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  * commit, a split), or a search of the space map's bitmaps beyond the
  * cache.
  *
- * Context: may sleep (dm-bufio's lock, the mapping cache's allocation),
- * but waits for no IO and no holder of @root_lock.
+ * Context: may sleep (dm-bufio's lock), but waits for no IO and no holder
+ * of @root_lock.
  *
  * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if the update was
  * refused or the metadata is read only or failed (nothing changed: do it

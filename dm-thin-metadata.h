@@ -145,9 +145,9 @@ int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
  *   - a fast lookup that starts after such a function returned never
  *     returns the old mapping;
  *   - a fast lookup that was already running (an RCU reader that began
- *     before the cache was changed) may still return it: the entry is
- *     unlinked at once but freed only after an RCU grace period, and
- *     readers standing on it finish with the old value.
+ *     before the cache was changed) may still return it: it may have
+ *     read the bucket before the change, or still be on a table that
+ *     growing replaced, which is freed only after an RCU grace period.
  *
  * Hence the caller's contract (DESIGN.md section 4, deferred free): an
  * unmapped data block may be reused only after every IO remapped through

@@ -59,10 +59,12 @@
  * That insert grows it, under the shard lock, with GFP_NOWAIT: every
  * mapping is copied into a new table, which is then published; the old
  * one is freed after a grace period, so a lookup still on it reads a
- * consistent, older state.  A mapping whose two buckets in the new table
- * are full (rare: it is a quarter as full as the old one) is dropped and
- * counted as an eviction.  If the allocation fails, the insert evicts
- * instead.
+ * consistent, older state.  If a mapping finds both of its buckets in
+ * the new table full (rare: it is a quarter as full as the old one), the
+ * shard tries a table larger still; at the largest, such a mapping is
+ * dropped and counted as an eviction.  If the allocation fails, the
+ * insert evicts instead, and the shard tries again only once it holds
+ * twice as many mappings.
  *
  * Eviction: when a key's buckets are full and the table cannot grow, the
  * insert evicts a mapping of the key's first bucket, chosen by CLOCK over
@@ -72,8 +74,9 @@
  * only if it is clear, so a hot bucket's line is written once per sweep
  * rather than once per lookup.
  *
- * Budget: a bucket costs its cache line, so max_entries = MC_WAYS per
- * bucket of the largest tables the budget allows.  The shard and per-CPU
+ * Budget: a bucket costs its cache line (two under lockdep, whose
+ * seqcount_t is larger), so max_entries = MC_WAYS per bucket of the
+ * largest tables the budget allows.  The shard and per-CPU
  * structs are not counted.  A budget too small for a bucket gives a cache
  * that never caches.
  *
@@ -151,12 +154,15 @@ struct mc_table {
  * @lock: protects everything here, the shard's table pointer and buckets
  * @nr: mappings in the shard
  * @max_bits: the largest table the shard may grow to
+ * @grow_at: do not try to grow before @nr reaches this (after a failed
+ *	allocation)
  * @evictions: mappings CLOCK dropped
  */
 struct mc_shard {
 	spinlock_t lock;
 	unsigned int nr;
 	unsigned int max_bits;
+	unsigned int grow_at;
 	u64 evictions;
 } ____cacheline_aligned_in_smp;
 
@@ -371,12 +377,11 @@ static bool mc_read_bucket(struct mc_bucket *b, u64 key, u64 *val)
 
 	do {
 		seq = raw_read_seqcount(&b->seq);
-		if (seq & 1)
-			return false;
-		way = mc_find_way(b, key);
+		way = seq & 1 ? -1 : mc_find_way(b, key);
 		if (way >= 0)
 			*val = READ_ONCE(b->val[way]);
-	} while (read_seqcount_retry(&b->seq, seq));
+		/* Odd: a writer is in the bucket; it reads as empty. */
+	} while (read_seqcount_retry(&b->seq, seq) && !(seq & 1));
 
 	if (way < 0)
 		return false;
@@ -408,7 +413,8 @@ bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 	bool hit = false;
 	u64 key, val;
 
-	RCU_LOCKDEP_WARN(!rcu_read_lock_held(), "mapping cache lookup outside RCU");
+	RCU_LOCKDEP_WARN(!rcu_read_lock_held(),
+			 "mapping cache lookup outside RCU");
 	if (mc_key(dev, virt, &key)) {
 		t = rcu_dereference(mc->tables[mc_shard_index(mc, key)]);
 		hit = mc_read_bucket(mc_bucket(mc, t, key, false), key, &val) ||
@@ -454,6 +460,7 @@ static void __clear_ways(struct mc_shard *shard, struct mc_bucket *b,
 {
 	unsigned int i;
 
+	lockdep_assert_held(&shard->lock);
 	raw_write_seqcount_begin(&b->seq);
 	WRITE_ONCE(b->used, b->used & ~ways);
 	raw_write_seqcount_end(&b->seq);
@@ -492,7 +499,8 @@ static unsigned int __clock_victim(struct mc_bucket *b)
 {
 	unsigned int way = b->hand, steps;
 
-	for (steps = 0; steps < MC_WAYS && READ_ONCE(b->referenced[way]); steps++) {
+	for (steps = 0; steps < MC_WAYS && READ_ONCE(b->referenced[way]);
+	     steps++) {
 		WRITE_ONCE(b->referenced[way], 0);
 		way = (way + 1) % MC_WAYS;
 	}
@@ -501,45 +509,68 @@ static unsigned int __clock_victim(struct mc_bucket *b)
 }
 
 /*
- * Give the shard a table up to MC_GROW_BITS larger, copying every mapping
- * (see "Growth").  Return: false if it is as large as it may be, or the
- * allocation failed.
+ * Copy the mappings of @from into the empty, unpublished table @to.
+ * Return: how many found both of their buckets in @to full.
+ */
+static unsigned int mc_copy_table(struct tsp_mapping_cache *mc,
+				  struct mc_table *from, struct mc_table *to)
+{
+	unsigned int i, way, dropped = 0;
+	struct mc_bucket *b, *into;
+	int free_way;
+
+	for (i = 0; i < (1U << from->bits); i++) {
+		b = &from->buckets[i];
+		for (way = 0; way < MC_WAYS; way++) {
+			if (!(b->used & (1U << way)))
+				continue;
+			into = __room(mc, to, b->key[way], &free_way);
+			if (!into) {
+				dropped++;
+				continue;
+			}
+			into->key[free_way] = b->key[way];
+			into->val[free_way] = b->val[way];
+			into->referenced[free_way] =
+				READ_ONCE(b->referenced[way]);
+			into->used |= 1U << free_way;
+		}
+	}
+	return dropped;
+}
+
+/*
+ * Give the shard a larger table, copying every mapping (see "Growth"):
+ * MC_GROW_BITS larger, or larger still if some mapping found no room,
+ * up to the largest the shard may have, where such mappings are dropped.
+ * Return: false if the table is as large as it may be, or the allocation
+ * failed now or the last time (see @grow_at).
  */
 static bool __grow(struct tsp_mapping_cache *mc, struct mc_shard *shard)
 {
 	struct mc_table *old = __table(mc, shard), *new;
-	struct mc_bucket *from, *to;
-	unsigned int i, way, bits;
-	int free_way;
-	u64 key;
+	unsigned int bits = old->bits, dropped;
 
-	if (old->bits >= shard->max_bits)
+	if (bits >= shard->max_bits || shard->nr < shard->grow_at)
 		return false;
-	bits = min(old->bits + MC_GROW_BITS, shard->max_bits);
-	new = mc_table_alloc(bits, GFP_NOWAIT | __GFP_NOWARN);
-	if (!new)
-		return false;
-
-	for (i = 0; i < (1U << old->bits); i++) {
-		from = &old->buckets[i];
-		for (way = 0; way < MC_WAYS; way++) {
-			if (!(from->used & (1U << way)))
-				continue;
-			key = from->key[way];
-			to = __room(mc, new, key, &free_way);
-			if (!to) {
-				WRITE_ONCE(shard->nr, shard->nr - 1);
-				shard->evictions++;
-				continue;
-			}
-			to->key[free_way] = key;
-			to->val[free_way] = from->val[way];
-			to->referenced[free_way] = READ_ONCE(from->referenced[way]);
-			to->used |= 1U << free_way;
+	for (;;) {
+		bits = min(bits + MC_GROW_BITS, shard->max_bits);
+		new = mc_table_alloc(bits, GFP_NOWAIT | __GFP_NOWARN);
+		if (!new) {
+			shard->grow_at = shard->nr < UINT_MAX / 2 ?
+					 2 * shard->nr : UINT_MAX;
+			return false;
 		}
+		dropped = mc_copy_table(mc, old, new);
+		if (!dropped || bits == shard->max_bits)
+			break;
+		mc_table_free(new);
 	}
+	WRITE_ONCE(shard->nr, shard->nr - dropped);
+	shard->evictions += dropped;
 	rcu_assign_pointer(mc->tables[shard - mc->shards], new);
 	call_rcu(&old->rcu, mc_table_free_rcu);
+	shard->grow_at = 0;
 	return true;
 }
 
@@ -585,7 +616,7 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 			__set_way(b, way, key, val);
 	} else if (cacheable) {
 		b = __room(mc, __table(mc, shard), key, &way);
-		if (!b && __grow(mc, shard))
+		while (!b && __grow(mc, shard))
 			b = __room(mc, __table(mc, shard), key, &way);
 		if (b) {
 			WRITE_ONCE(shard->nr, shard->nr + 1);
@@ -710,7 +741,8 @@ void tsp_mc_invalidate_range(struct tsp_mapping_cache *mc, u64 dev,
 	end = min_t(u64, end, 1ULL << MC_VIRT_BITS);
 	if (begin >= end)
 		return;
-	if (end - begin <= MC_RANGE_BY_KEY || end - begin <= mc_nr_entries(mc)) {
+	if (end - begin <= MC_RANGE_BY_KEY ||
+	    end - begin <= mc_nr_entries(mc)) {
 		for (virt = begin; virt < end; virt++)
 			tsp_mc_invalidate(mc, dev, virt);
 		return;

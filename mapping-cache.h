@@ -2,7 +2,8 @@
 /*
  * mapping-cache.h - a sharded hash of (thin device, virtual block) ->
  * (data block, time) that the map path reads under RCU alone: no lock, no
- * atomic read-modify-write, no store to a cache line other CPUs write.
+ * atomic read-modify-write, and no store but the first hit's CLOCK byte
+ * after the hand cleared it.
  * It sits in front of the btrees of dm-thin-metadata.c, which keeps it a
  * subset of the metadata (see dm-thin-metadata.h for that contract).
  *
@@ -54,7 +55,8 @@ struct tsp_mc_mapping {
  * @max_entries: how many the budget allows
  * @hits: lookups that found their mapping
  * @misses: lookups that did not
- * @evictions: entries dropped by CLOCK to make room (not invalidations)
+ * @evictions: entries dropped to make room: by CLOCK, or when growing
+ *	found no room for one (not invalidations)
  * @buckets: hash buckets now (the tables grow with the entries)
  */
 struct tsp_mc_stats {

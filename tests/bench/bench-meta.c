@@ -286,7 +286,7 @@ int main(int argc, char **argv)
 	cached_us = row("lookup, random, warm cache", 2000000, now() - t);
 
 	/* Every mapping in the mapping cache (room to spare), then fast. */
-	TRY(tsp_pool_metadata_set_cache_budget(p.pmd, 2 * 72 * nr + (1 << 20)));
+	TRY(tsp_pool_metadata_set_cache_budget(p.pmd, 64 * nr + (1 << 20)));
 	for (i = 0; i < nr; i++)
 		TRY(tsp_thin_find_block(p.td, i, &res));
 	fast_us[0] = fast_row("fast lookup, warm, 1 thread", &p, nr, 1);

@@ -12,7 +12,7 @@
  *                budget
  *   model        random operations against a reference map, with budgets
  *                from "everything fits" (then a lookup of a cached key
- *                must hit) down to a few dozen entries (constant CLOCK
+ *                must hit) down to 24 entries (constant CLOCK
  *                eviction: a miss is allowed, a wrong answer never), and
  *                with every GFP_NOWAIT allocation failing (no growth)
  *   concurrency  reader threads hammer lookups while two writers insert,
@@ -31,7 +31,7 @@
  *                stay out of allocation until released, or an abort
  *
  * Every group checks that it leaves no allocation behind (after
- * rcu_barrier(), which in userspace runs the queued kfree_rcu()s).  The
+ * rcu_barrier(), which in userspace runs the queued call_rcu()s).  The
  * same source runs under ASan/UBSan (make unit) and ThreadSanitizer (make
  * tsan); see persistent-data/compat.h for how TSan is told about grace
  * periods.
@@ -307,6 +307,19 @@ static void test_basic(void)
 	tsp_mc_destroy(mc);
 	check_no_leaks();
 
+	/* One bucket: a key's two buckets are the same one. */
+	CHECK_R(tsp_mc_create(100, &mc), 0);
+	for (v = 0; v < 10; v++)
+		CHECK(tsp_mc_insert(mc, 2, v, v, 1));
+	tsp_mc_get_stats(mc, &st);
+	CHECK(st.max_entries == 3 && st.entries == 3 && st.evictions == 7);
+	HIT(mc, 2, 9, 9, 1);
+	tsp_mc_invalidate(mc, 2, 9);
+	MISS(mc, 2, 9);
+	tsp_mc_get_stats(mc, &st);
+	CHECK_R(st.entries, 2);
+	tsp_mc_destroy(mc);
+
 	/* A budget too small for an entry: nothing is ever cached. */
 	CHECK_R(tsp_mc_create(0, &mc), 0);
 	CHECK(!tsp_mc_insert(mc, 1, 1, 1, 1));
@@ -503,7 +516,7 @@ static void test_model(void)
 	phase = "model";
 	model_run(8u << 20, false, nr_ops);	/* everything fits */
 	model_run(32u << 10, false, nr_ops);	/* some eviction */
-	model_run(4u << 10, false, nr_ops);	/* a few dozen entries */
+	model_run(4u << 10, false, nr_ops);	/* 192 entries */
 	model_run(800, false, nr_ops);		/* two shards of 4 buckets */
 	model_run(1u << 20, true, nr_ops / 4);	/* tables cannot grow */
 	printf("ok   %s\n", phase);
@@ -665,7 +678,8 @@ static void *c_writer(void *arg)
 	return NULL;
 }
 
-static void concurrency_run(u64 budget, double seconds)
+/* @fits: the budget holds every key, so nothing may be evicted. */
+static void concurrency_run(u64 budget, bool fits, double seconds)
 {
 	pthread_t readers[C_READERS], writers[C_WRITERS];
 	struct tsp_mc_stats st;
@@ -694,6 +708,10 @@ static void concurrency_run(u64 budget, double seconds)
 	CHECK_R(st.hits, hits);
 	CHECK_R(st.hits + st.misses, lookups);
 	CHECK(hits > 0 && wops > 0);
+	if (fits)
+		CHECK(st.evictions == 0 && st.buckets > 64 << 2);
+	else
+		CHECK(st.evictions > 0);
 	printf("     budget %7llu: %llu writer ops, %llu lookups, %llu hits, %llu evictions, %llu buckets\n",
 	       (unsigned long long)budget, (unsigned long long)wops,
 	       (unsigned long long)lookups, (unsigned long long)hits,
@@ -708,9 +726,9 @@ static void test_concurrency(void)
 	double t = quick ? 0.5 : 2.0;
 
 	phase = "concurrency";
-	concurrency_run(1u << 20, t);	/* everything fits; tables grow */
-	concurrency_run(8u << 10, t);	/* constant eviction */
-	concurrency_run(64u << 10, t);	/* some eviction; tables grow */
+	concurrency_run(1u << 20, true, t);	/* tables grow */
+	concurrency_run(8u << 10, false, t);	/* constant eviction */
+	concurrency_run(64u << 10, false, t);	/* some; tables grow */
 	printf("ok   %s\n", phase);
 }
 
