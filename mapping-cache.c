@@ -430,20 +430,6 @@ bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 	return hit;
 }
 
-/* The bucket and @way that hold @key, or NULL. */
-static struct mc_bucket *__find(struct tsp_mapping_cache *mc,
-				struct mc_table *t, u64 key, int *way)
-{
-	struct mc_bucket *b = mc_bucket(mc, t, key, false);
-
-	*way = mc_find_way(b, key);
-	if (*way >= 0)
-		return b;
-	b = mc_bucket(mc, t, key, true);
-	*way = mc_find_way(b, key);
-	return *way >= 0 ? b : NULL;
-}
-
 /* Put (@key, @val) in @way of @b, which lookups may be reading. */
 static void __set_way(struct mc_bucket *b, unsigned int way, u64 key, u64 val)
 {
@@ -480,18 +466,26 @@ static int mc_free_way(const struct mc_bucket *b)
 	return -1;
 }
 
-/* A free way in one of @key's buckets of @t: its bucket, or NULL. */
-static struct mc_bucket *__room(struct tsp_mapping_cache *mc,
-				struct mc_table *t, u64 key, int *way)
+/*
+ * The first of @key's two buckets in @t with a way that holds @key
+ * (@want_free false) or is free (@want_free true), and that @way; NULL if
+ * neither has one.  For the holder of the shard lock, or on a table not
+ * yet published.
+ */
+static struct mc_bucket *mc_probe(struct tsp_mapping_cache *mc,
+				  struct mc_table *t, u64 key, bool want_free,
+				  int *way)
 {
-	struct mc_bucket *b = mc_bucket(mc, t, key, false);
+	struct mc_bucket *b;
+	int i;
 
-	*way = mc_free_way(b);
-	if (*way >= 0)
-		return b;
-	b = mc_bucket(mc, t, key, true);
-	*way = mc_free_way(b);
-	return *way >= 0 ? b : NULL;
+	for (i = 0; i < 2; i++) {
+		b = mc_bucket(mc, t, key, i);
+		*way = want_free ? mc_free_way(b) : mc_find_way(b, key);
+		if (*way >= 0)
+			return b;
+	}
+	return NULL;
 }
 
 /* The way of the full bucket @b that CLOCK gives up (see "Eviction"). */
@@ -524,7 +518,7 @@ static unsigned int mc_copy_table(struct tsp_mapping_cache *mc,
 		for (way = 0; way < MC_WAYS; way++) {
 			if (!(b->used & (1U << way)))
 				continue;
-			into = __room(mc, to, b->key[way], &free_way);
+			into = mc_probe(mc, to, b->key[way], true, &free_way);
 			if (!into) {
 				dropped++;
 				continue;
@@ -608,16 +602,16 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 	shard = &mc->shards[mc_shard_index(mc, key)];
 
 	spin_lock(&shard->lock);
-	b = __find(mc, __table(mc, shard), key, &way);
+	b = mc_probe(mc, __table(mc, shard), key, false, &way);
 	if (b) {
 		if (!cacheable)
 			__clear_ways(shard, b, 1U << way);
 		else if (b->val[way] != val)
 			__set_way(b, way, key, val);
 	} else if (cacheable) {
-		b = __room(mc, __table(mc, shard), key, &way);
+		b = mc_probe(mc, __table(mc, shard), key, true, &way);
 		while (!b && __grow(mc, shard))
-			b = __room(mc, __table(mc, shard), key, &way);
+			b = mc_probe(mc, __table(mc, shard), key, true, &way);
 		if (b) {
 			WRITE_ONCE(shard->nr, shard->nr + 1);
 		} else {
@@ -654,7 +648,7 @@ void tsp_mc_invalidate(struct tsp_mapping_cache *mc, u64 dev, u64 virt)
 		return;
 	shard = &mc->shards[mc_shard_index(mc, key)];
 	spin_lock(&shard->lock);
-	b = __find(mc, __table(mc, shard), key, &way);
+	b = mc_probe(mc, __table(mc, shard), key, false, &way);
 	if (b)
 		__clear_ways(shard, b, 1U << way);
 	spin_unlock(&shard->lock);
