@@ -370,7 +370,8 @@ void tsp_mc_destroy(struct tsp_mapping_cache *mc)
  * Look for @key in @b without a lock (see "Reading a bucket"); on a hit
  * set @val and the way's referenced byte.
  */
-static bool mc_read_bucket(struct mc_bucket *b, u64 key, u64 *val)
+static __always_inline bool mc_read_bucket(struct mc_bucket *b, u64 key,
+					   u64 *val)
 {
 	unsigned int seq;
 	int way;
@@ -411,7 +412,7 @@ bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 {
 	struct mc_table *t;
 	bool hit = false;
-	u64 key, val;
+	u64 key, val = 0;	/* set on a hit; 0 quiets -Wmaybe-uninitialized */
 
 	RCU_LOCKDEP_WARN(!rcu_read_lock_held(),
 			 "mapping cache lookup outside RCU");
