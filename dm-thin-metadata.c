@@ -1565,14 +1565,19 @@ int tsp_pool_release_data_block(struct tsp_pool_metadata *pmd, tsp_block_t b)
 	return end_update(pmd, tsp_data_sm_dec(pmd->data_sm, b));
 }
 
+/*
+ * Map @virt of @td to @data at @time.  If @virt is mapped already: with
+ * @overwrite the old mapping is replaced (and its block dec'ed), without
+ * it nothing changes and -EEXIST is returned.
+ */
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
-			  tsp_block_t data, u32 time)
+			  tsp_block_t data, u32 time, bool overwrite)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	__le64 value = cpu_to_le64(pack_mapping(data, time));
 	tsp_block_t old, root;
-	bool inserted;
-	int r;
+	bool inserted = true;
+	int r, r2;
 
 	if (data >= tsp_data_sm_nr_blocks(pmd->data_sm)) {
 		DMERR("data block %llu is beyond the data device",
@@ -1580,13 +1585,20 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 		return -EINVAL;
 	}
 	r = __device_root_for_update(td, &old);
-	if (!r)
-		r = tsp_btree_insert(&pmd->bl_info, old, virt, &value, &root,
-				     &inserted);
-	if (!r)
-		r = __set_device_root(td, old, root);
 	if (r)
 		return r;
+	if (overwrite)
+		r = tsp_btree_insert(&pmd->bl_info, old, virt, &value, &root,
+				     &inserted);
+	else
+		r = tsp_btree_insert_new(&pmd->bl_info, old, virt, &value,
+					 &root);
+	if (r && r != -EEXIST)
+		return r;
+	/* On -EEXIST too: the way down may have moved the root. */
+	r2 = __set_device_root(td, old, root);
+	if (r || r2)
+		return r2 ? r2 : r;
 
 	tsp_mc_insert(__cache(pmd), td->id, virt, data, time);
 	td->changed = true;
@@ -1604,14 +1616,15 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 
 	if (r)
 		return r;
-	return end_update(pmd, __insert_block(td, virt, data, pmd->time));
+	return end_update(pmd, __insert_block(td, virt, data, pmd->time, true));
 }
 
 /*
- * Allocate a data block and map @virt to it; the caller has the
- * transaction manager in no-wait mode, and @virt is not mapped.  The
- * block is only reserved while the mapping is inserted, so that an
- * insert refused for want of IO leaves the space map as it was.
+ * Allocate a data block and map @virt to it, unless @virt is mapped
+ * (-EEXIST); the caller has the transaction manager in no-wait mode.
+ * The block is only reserved while the mapping is inserted, so that an
+ * insert refused for want of IO, or because @virt is mapped, leaves the
+ * space map as it was.
  */
 static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 			      tsp_block_t keep_free, tsp_block_t *data)
@@ -1625,7 +1638,7 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	r = tsp_data_sm_reserve(pmd->data_sm, data, &bitmap);
 	if (r)
 		return r == -ENOSPC ? -EWOULDBLOCK : r;
-	r = __insert_block(td, virt, *data, pmd->time);
+	r = __insert_block(td, virt, *data, pmd->time, false);
 	tsp_data_sm_reserve_end(pmd->data_sm, *data, bitmap, !r);
 	return r;
 }
@@ -1651,17 +1664,15 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  * of @root_lock.
  *
  * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if the update was
- * refused or the metadata is read only or failed (nothing changed: do it
- * the way that may block); or another error, which fails the metadata
- * as any update's would.
+ * refused (@virt may be mapped: the way to its leaf is not known without
+ * the update's walk) or the metadata is read only or failed (nothing
+ * changed: do it the way that may block); or another error, which fails
+ * the metadata as any update's would.
  */
 int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 			      tsp_block_t keep_free, tsp_block_t *data)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
-	struct tsp_thin_lookup_result result;
-	tsp_block_t root;
-	u32 time;
 	int r;
 
 	if (!down_write_trylock(&pmd->root_lock))
@@ -1672,16 +1683,7 @@ int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	}
 
 	tsp_tm_set_nowait(pmd->tm, true);
-	if (virt >= td->mapped_end && td->mapped_end != NO_MAPPED_END)
-		r = -ENODATA;
-	else
-		r = __device_root(td, &root);
-	if (!r)
-		r = __find_block(td, virt, root, &result, &time);
-	if (!r)
-		r = -EEXIST;
-	else if (r == -ENODATA)
-		r = __provision_nowait(td, virt, keep_free, data);
+	r = __provision_nowait(td, virt, keep_free, data);
 	tsp_tm_set_nowait(pmd->tm, false);
 
 	if (r == -EWOULDBLOCK || r == -EEXIST) {
@@ -1722,7 +1724,7 @@ int tsp_pool_insert_mappings(struct tsp_pool_metadata *pmd,
 	if (r)
 		return r;
 	list_for_each_entry(m, mappings, list) {
-		r = __insert_block(m->td, m->virt, m->data, pmd->time);
+		r = __insert_block(m->td, m->virt, m->data, pmd->time, true);
 		if (r)
 			break;
 		++*nr_inserted;
@@ -2044,7 +2046,7 @@ int tsp_thin_restore_block(struct tsp_thin_device *td, tsp_block_t virt,
 	if (r == -ENODATA && data < tsp_data_sm_nr_blocks(pmd->data_sm))
 		r = tsp_data_sm_inc(pmd->data_sm, data);
 	if (!r)
-		r = __insert_block(td, virt, data, time);
+		r = __insert_block(td, virt, data, time, true);
 out:
 	return end_update(pmd, r);
 }

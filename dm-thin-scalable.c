@@ -3026,17 +3026,21 @@ static void cut_bio_at(struct pool *pool, struct bio *bio, tsp_block_t end)
 /*
  * Fast lookup of @virt for @bio: mapped, cached, and (for a write) not
  * shared.  Caller holds rcu_read_lock().
+ *
+ * Return: 0 if @virt maps to *@data_block for @bio; -EEXIST if it is
+ * mapped but shared and @bio is a write; -EWOULDBLOCK if not cached.
  */
-static bool find_block_fast(struct thin_c *tc, struct bio *bio,
-			    tsp_block_t virt, tsp_block_t *data_block)
+static int find_block_fast(struct thin_c *tc, struct bio *bio,
+			   tsp_block_t virt, tsp_block_t *data_block)
 {
 	struct tsp_thin_lookup_result result;
 
-	if (tsp_thin_find_block_fast(tc->td, virt, &result) ||
-	    (bio_data_dir(bio) == WRITE && result.shared))
-		return false;
+	if (tsp_thin_find_block_fast(tc->td, virt, &result))
+		return -EWOULDBLOCK;
+	if (bio_data_dir(bio) == WRITE && result.shared)
+		return -EEXIST;
 	*data_block = result.block;
-	return true;
+	return 0;
 }
 
 /*
@@ -3045,21 +3049,26 @@ static bool find_block_fast(struct thin_c *tc, struct bio *bio,
  * that are mapped to consecutive data blocks; dm core sends the rest as
  * a new bio.  The lookups and the epoch entry are one RCU read-side
  * section (see "Deferred free").
+ *
+ * Return: 0 if @bio was remapped, else find_block_fast()'s error for its
+ * first block.
  */
-static bool map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
+static int map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
 {
 	struct pool *pool = tc->pool;
 	tsp_block_t virt = bio_block(pool, bio);
 	tsp_block_t last = sector_block(pool, bio_end_sector(bio) - 1);
 	tsp_block_t first, next, n;
+	int r;
 
 	rcu_read_lock();
-	if (!find_block_fast(tc, bio, virt, &first)) {
+	r = find_block_fast(tc, bio, virt, &first);
+	if (r) {
 		rcu_read_unlock();
-		return false;
+		return r;
 	}
 	for (n = 1; virt + n <= last; n++)
-		if (!find_block_fast(tc, bio, virt + n, &next) || next != first + n)
+		if (find_block_fast(tc, bio, virt + n, &next) || next != first + n)
 			break;
 	cut_bio_at(pool, bio, virt + n);
 	epoch_enter(pool, tb);
@@ -3067,7 +3076,7 @@ static bool map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
 
 	remap(pool, bio, first);
 	this_cpu_inc(pool->stats->fast);
-	return true;
+	return 0;
 }
 
 /*
@@ -3149,11 +3158,13 @@ static int thin_map(struct dm_target *ti, struct bio *bio)
 		cut_bio_at(pool, bio, (bio_block(pool, bio) | (REGION_BLOCKS - 1)) + 1);
 	} else if (bio_has_data(bio)) {
 		bool plain = !bio_needs_commit(bio) && pool_mode(pool) < PM_FAIL;
+		int r = plain ? map_fast(tc, bio, tb) : -EWOULDBLOCK;
 
-		if (plain && map_fast(tc, bio, tb))
+		if (!r)
 			return DM_MAPIO_REMAPPED;
 		cut_bio_at(pool, bio, bio_block(pool, bio) + 1);
-		if (plain && provision_in_map(tc, bio, tb))
+		/* A block known to be mapped is shared: the worker's. */
+		if (plain && r != -EEXIST && provision_in_map(tc, bio, tb))
 			return DM_MAPIO_REMAPPED;
 	}
 

@@ -574,12 +574,15 @@ static int make_room(struct tsp_btree_info *info, struct btree_node *n, u32 i,
 }
 
 static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
-			    u64 key, const void *value, bool *inserted)
+			    u64 key, const void *value, bool overwrite,
+			    bool *inserted)
 {
 	u32 i = lower_bound(n, key);
 	int r;
 
 	if (i < nr_entries(n) && key_at(n, i) == key) {
+		if (!overwrite)
+			return -EEXIST;
 		if (info->vt.dec) {
 			r = info->vt.dec(info->vt.context, value_at(n, i));
 			if (r)
@@ -595,24 +598,20 @@ static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
 	return 0;
 }
 
-/**
- * tsp_btree_insert - insert or overwrite a key; see btree.h
- * @info: tree description
- * @root: current root
- * @key: key
- * @value: the value (the tree takes over the caller's reference)
- * @new_root: out, the root afterwards
- * @inserted: out, may be NULL
+/*
+ * Insert @key, or overwrite it if @overwrite (else -EEXIST); see
+ * tsp_btree_insert() and tsp_btree_insert_new().  *@new_root is set once
+ * the root is shadowed, so on -EEXIST too.
  *
  * Cost: shadows one node per level, plus, per full node on the way
  * down, a sibling shadowed or a new node for a split.
  */
-int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
-		     const void *value, tsp_block_t *new_root, bool *inserted)
+static int __insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
+		    const void *value, bool overwrite, tsp_block_t *new_root,
+		    bool *inserted)
 {
 	struct tsp_block *blk, *child;
 	struct btree_node *n;
-	bool dummy;
 	int depth, r;
 	int i;
 
@@ -666,10 +665,44 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 		n = node_of(blk);
 	}
 
-	r = insert_into_leaf(info, n, key, value, inserted ? inserted : &dummy);
+	r = insert_into_leaf(info, n, key, value, overwrite, inserted);
 out:
 	tsp_tm_unlock(info->tm, blk);
 	return r;
+}
+
+/**
+ * tsp_btree_insert - insert or overwrite a key; see btree.h
+ * @info: tree description
+ * @root: current root
+ * @key: key
+ * @value: the value (the tree takes over the caller's reference)
+ * @new_root: out, the root afterwards
+ * @inserted: out, may be NULL
+ */
+int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
+		     const void *value, tsp_block_t *new_root, bool *inserted)
+{
+	bool dummy;
+
+	return __insert(info, root, key, value, true, new_root,
+			inserted ? inserted : &dummy);
+}
+
+/**
+ * tsp_btree_insert_new - insert a key that must be absent; see btree.h
+ * @info: tree description
+ * @root: current root
+ * @key: key
+ * @value: the value (the tree takes it over only if it returns 0)
+ * @new_root: out, the root afterwards, whether or not @key was present
+ */
+int tsp_btree_insert_new(struct tsp_btree_info *info, tsp_block_t root,
+			 u64 key, const void *value, tsp_block_t *new_root)
+{
+	bool inserted;
+
+	return __insert(info, root, key, value, false, new_root, &inserted);
 }
 
 /*

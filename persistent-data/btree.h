@@ -78,6 +78,25 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
 				  u64 key, const void *value,
 				  tsp_block_t *new_root, bool *inserted);
 
+/**
+ * tsp_btree_insert_new - insert, unless the key is present
+ * @info: tree description
+ * @root: current root
+ * @key: key
+ * @value: the new value; the tree takes over the caller's reference only
+ *	if this returns 0
+ * @new_root: out, the root afterwards, set on -EEXIST too: the way down
+ *	may have shadowed or reshaped nodes before it found @key
+ *
+ * A lookup and an insert in one walk down the tree.
+ *
+ * Return: 0; -EEXIST if @key is present (its value is left as it was);
+ * or another error, as tsp_btree_insert()'s.
+ */
+int __must_check tsp_btree_insert_new(struct tsp_btree_info *info,
+				      tsp_block_t root, u64 key,
+				      const void *value, tsp_block_t *new_root);
+
 /* Remove @key (dec'ing its value); -ENODATA if absent. */
 int __must_check tsp_btree_remove(struct tsp_btree_info *info, tsp_block_t root,
 				  u64 key, tsp_block_t *new_root);

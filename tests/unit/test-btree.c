@@ -882,6 +882,31 @@ static int op_insert(struct ctx *c, struct tree *t, u32 i, u32 id)
 	return 0;
 }
 
+/* tsp_btree_insert_new(): inserts a new key, leaves a present one alone. */
+static int op_insert_new(struct ctx *c, struct tree *t, u32 i, u32 id)
+{
+	u8 v[MAX_VSIZE];
+	tsp_block_t root;
+	int r;
+
+	make_value(v, id, c->vc.size);
+	if (c->vc.counted)
+		c->vc.refs[id]++;	/* the caller's reference, for the tree */
+	r = tsp_btree_insert_new(&c->info, t->root, key_of(i), v, &root);
+	if (r && r != -EEXIST)
+		return r;
+	/* Set on -EEXIST too: the way down may have moved the root. */
+	t->root = root;
+	CHECK((r == -EEXIST) == model_has(&t->m, i));
+	if (r == -EEXIST) {
+		if (c->vc.counted)
+			c->vc.refs[id]--;	/* still the caller's */
+		return 0;
+	}
+	model_set(&t->m, i, id);
+	return 0;
+}
+
 static int op_remove(struct ctx *c, struct tree *t, u32 i)
 {
 	tsp_block_t root = 0;
@@ -998,6 +1023,8 @@ static int random_op(struct ctx *c, struct tree *t, u32 slots)
 		i = (u32)rnd_below(slots);
 		if (chance(2))
 			i = chance(50) ? 0 : U - 1;
+		if (chance(30))
+			return op_insert_new(c, t, i, (u32)rnd_below(NV));
 		return op_insert(c, t, i, (u32)rnd_below(NV));
 	}
 	if (p < 50) {			/* overwrite, half with the same value */
