@@ -17,6 +17,9 @@
  *   inserts    tsp_pool_alloc_data_block() + tsp_thin_insert_block() of
  *              new virtual blocks in random order, with a commit every
  *              1, 100 and 10,000 inserts (commit time included)
+ *   provision  tsp_thin_provision_nowait() of new virtual blocks in
+ *              random order, as the map path provisions (the blocking
+ *              insert when refused), a commit every 10,000
  *   remaps     the same for mapped blocks, each freeing its old data
  *              block (as breaking sharing does), a commit every 100
  *
@@ -325,6 +328,39 @@ int main(int argc, char **argv)
 		free(virt);
 		snprintf(what, sizeof(what), "insert, commit every %" PRIu64,
 			 batches[b]);
+		row(what, n, t);
+	}
+
+	/*
+	 * Provisioning as the map path does it: tsp_thin_provision_nowait()
+	 * of new virtual blocks in random order (so below the device's
+	 * highest mapping: the metadata cannot tell them unmapped without
+	 * the tree), a blocking allocation and insert when it is refused,
+	 * a commit every 10,000.
+	 */
+	{
+		u64 n = 200000, *virt = permutation(n), refused = 0;
+		tsp_block_t data;
+		int r;
+
+		t = start();
+		for (i = 0; i < n; i++) {
+			r = tsp_thin_provision_nowait(p.td, next_virt + virt[i],
+						      0, &data);
+			if (r == -EWOULDBLOCK) {
+				refused++;
+				insert(&p, next_virt + virt[i]);
+			} else {
+				TRY(r);
+			}
+			if ((i + 1) % COMMIT_EVERY == 0)
+				TRY(tsp_pool_commit_metadata(p.pmd));
+		}
+		t = now() - t;
+		next_virt += n;
+		free(virt);
+		snprintf(what, sizeof(what), "provision nowait (%" PRIu64 "%% refused)",
+			 refused * 100 / n);
 		row(what, n, t);
 	}
 
