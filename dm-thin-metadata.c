@@ -1649,7 +1649,8 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  * @virt: virtual block
  * @keep_free: refuse if no more than this many data blocks would be left
  *	free (the pool's low water mark: the blocking path raises its event)
- * @data: out, the data block @virt is now mapped to (reference count 1)
+ * @data: out, on success only: the data block @virt is now mapped to
+ *	(reference count 1)
  *
  * What tsp_pool_alloc_data_block() and tsp_thin_insert_block() do
  * together, for the map path: a bio that metadata IO issued there would

@@ -228,8 +228,9 @@ int __must_check tsp_thin_insert_block(struct tsp_thin_device *td,
 				       tsp_block_t virt, tsp_block_t data);
 
 /*
- * Allocate and map in one update that waits for no IO and no lock, or
- * -EWOULDBLOCK having changed nothing (see dm-thin-metadata.c).
+ * Allocate and map in one update that waits for no IO and no lock; or
+ * -EEXIST (@virt is mapped) or -EWOULDBLOCK, having changed nothing (see
+ * dm-thin-metadata.c).
  */
 int __must_check tsp_thin_provision_nowait(struct tsp_thin_device *td,
 					   tsp_block_t virt,

@@ -601,7 +601,7 @@ static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
 /*
  * Insert @key, or overwrite it if @overwrite (else -EEXIST); see
  * tsp_btree_insert() and tsp_btree_insert_new().  *@new_root is set once
- * the root is shadowed, so on -EEXIST too.
+ * the root is shadowed (and split if it was full), so on -EEXIST too.
  *
  * Cost: shadows one node per level, plus, per full node on the way
  * down, a sibling shadowed or a new node for a split.

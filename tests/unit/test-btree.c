@@ -1295,6 +1295,19 @@ static void test_shared(const struct vt_config *vt)
 	/* A snapshot of a committed tree, then both change. */
 	snap_tree(c, &t[1], &t[0]);
 	verify(c);
+	/*
+	 * A present key through tsp_btree_insert_new(): the shared path is
+	 * copied on the way down, the new root kept, and nothing leaks.
+	 */
+	k = model_pick(&t[1].m);
+	CHECK(k != U);
+	{
+		tsp_block_t shared_root = t[1].root;
+
+		CHECK_R(op_insert_new(c, &t[1], k, 0), 0);
+		CHECK(t[1].root != shared_root);
+	}
+	verify(c);
 	for (k = 0; k < 4000; k++)
 		CHECK_R(random_op(c, &t[k % 2], slots), 0);
 	verify(c);

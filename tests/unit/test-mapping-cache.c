@@ -1081,7 +1081,7 @@ static void test_provision_nowait(void)
 {
 	static tsp_block_t model[NW_VIRTS];	/* data block + 1, 0: unmapped */
 	struct tsp_thin_lookup_result res;
-	unsigned int ok = 0, refused = 0, random_ok = 0, i;
+	unsigned int ok = 0, refused = 0, random_ok = 0, mapped_seen = 0, i;
 	struct tsp_thin_device *td, *snap;
 	tsp_block_t b, v, mapped;
 	char cmd[320];
@@ -1150,6 +1150,7 @@ static void test_provision_nowait(void)
 			if (model[v]) {
 				/* Refused if the way to its leaf is not copied. */
 				CHECK(r == -EEXIST || r == -EWOULDBLOCK);
+				mapped_seen += r == -EEXIST;
 				CHECK_R(nr_free(&p), free_before);
 				CHECK_R(tsp_thin_find_block(td, v, &res), 0);
 				CHECK_R(res.block, model[v] - 1);
@@ -1187,6 +1188,8 @@ static void test_provision_nowait(void)
 	}
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 	CHECK_R(tsp_pool_check(p.pmd), 0);
+	/* Not every mapped block refused: most have their path copied. */
+	CHECK(mapped_seen > 0);
 
 	if (snap)
 		tsp_pool_close_thin_device(snap);
@@ -1198,8 +1201,8 @@ static void test_provision_nowait(void)
 	CHECK_R(system(cmd), 0);
 	unlink(p.path);
 	check_no_leaks();
-	printf("ok   %s (%u of the next 4899 provisions refused, %u random ones done)\n",
-	       phase, refused, random_ok);
+	printf("ok   %s (%u of the next 4899 provisions refused, %u random ones done, %u found mapped)\n",
+	       phase, refused, random_ok, mapped_seen);
 }
 
 /*
