@@ -1577,7 +1577,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	__le64 value = cpu_to_le64(pack_mapping(data, time));
 	tsp_block_t old, root;
 	bool inserted = true;
-	int r, r2;
+	int r;
 
 	if (data >= tsp_data_sm_nr_blocks(pmd->data_sm)) {
 		DMERR("data block %llu is beyond the data device",
@@ -1593,12 +1593,11 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	else
 		r = tsp_btree_insert_new(&pmd->bl_info, old, virt, &value,
 					 &root);
-	if (r && r != -EEXIST)
-		return r;
 	/* On -EEXIST too: the way down may have moved the root. */
-	r2 = __set_device_root(td, old, root);
-	if (r || r2)
-		return r2 ? r2 : r;
+	if (!r || r == -EEXIST)
+		r = __set_device_root(td, old, root) ?: r;
+	if (r)
+		return r;
 
 	tsp_mc_insert(__cache(pmd), td->id, virt, data, time);
 	td->changed = true;

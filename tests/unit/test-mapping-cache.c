@@ -1083,7 +1083,7 @@ static void test_provision_nowait(void)
 	struct tsp_thin_lookup_result res;
 	unsigned int ok = 0, refused = 0, random_ok = 0, mapped_seen = 0, i;
 	struct tsp_thin_device *td, *snap;
-	tsp_block_t b, v, mapped;
+	tsp_block_t b, v, mapped, free_before;
 	char cmd[320];
 	struct pool p;
 	int r;
@@ -1105,10 +1105,10 @@ static void test_provision_nowait(void)
 		FAST_HIT(td, v, b, false);
 	}
 	/* Mapped: nothing changes, and block 100 is still the next one. */
-	mapped = nr_free(&p);
+	free_before = nr_free(&p);
 	CHECK_R(tsp_thin_provision_nowait(td, 5, 0, &b), -EEXIST);
 	CHECK_R(tsp_thin_provision_nowait(td, 99, 0, &b), -EEXIST);
-	CHECK_R(nr_free(&p), mapped);
+	CHECK_R(nr_free(&p), free_before);
 	CHECK_R(tsp_thin_find_block(td, 5, &res), 0);
 	CHECK_R(res.block, 5);
 	/* Not the block that would leave only @keep_free free. */
@@ -1121,8 +1121,7 @@ static void test_provision_nowait(void)
 
 	/* Leaves fill up; a split needs a new node. */
 	for (v = 101; v < 5000; v++) {
-		tsp_block_t free_before = nr_free(&p);
-
+		free_before = nr_free(&p);
 		r = tsp_thin_provision_nowait(td, v, 0, &b);
 		if (r == -EWOULDBLOCK) {
 			refused++;
@@ -1142,8 +1141,8 @@ static void test_provision_nowait(void)
 	snap = NULL;
 	for (i = 0; i < (quick ? 20000 : 100000); i++) {
 		unsigned int op = rnd_below(100);
-		tsp_block_t free_before = nr_free(&p);
 
+		free_before = nr_free(&p);
 		v = rnd_below(NW_VIRTS);
 		if (op < 50) {
 			r = tsp_thin_provision_nowait(td, v, 0, &b);
