@@ -1378,6 +1378,27 @@ static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,
 	return 0;
 }
 
+/*
+ * Where @virt of @td is mapped, under @root_lock; known unmapped without
+ * a walk past the device's highest mapping.  A mapping found is cached.
+ */
+static int __lookup_block(struct tsp_thin_device *td, tsp_block_t virt,
+			  struct tsp_thin_lookup_result *result)
+{
+	tsp_block_t root;
+	u32 time;
+	int r;
+
+	if (virt >= td->mapped_end && td->mapped_end != NO_MAPPED_END)
+		return -ENODATA;
+	r = __device_root(td, &root);
+	if (!r)
+		r = __find_block(td, virt, root, result, &time);
+	if (!r)
+		tsp_mc_insert(__cache(td->pmd), td->id, virt, result->block, time);
+	return r;
+}
+
 /**
  * tsp_thin_find_block - where a virtual block is mapped
  * @td: thin device
@@ -1390,21 +1411,10 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 			struct tsp_thin_lookup_result *result)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
-	tsp_block_t root;
-	u32 time;
 	int r;
 
 	down_read(&pmd->root_lock);
-	if (pmd->fail_io)
-		r = -EPERM;
-	else if (virt >= td->mapped_end && td->mapped_end != NO_MAPPED_END)
-		r = -ENODATA;
-	else
-		r = __device_root(td, &root);
-	if (!r)
-		r = __find_block(td, virt, root, result, &time);
-	if (!r)
-		tsp_mc_insert(__cache(pmd), td->id, virt, result->block, time);
+	r = pmd->fail_io ? -EPERM : __lookup_block(td, virt, result);
 	up_read(&pmd->root_lock);
 	return r;
 }
@@ -1620,10 +1630,16 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 
 /*
  * Allocate a data block and map @virt to it, unless @virt is mapped
- * (-EEXIST); the caller has the transaction manager in no-wait mode.
- * The block is only reserved while the mapping is inserted, so that an
- * insert refused for want of IO, or because @virt is mapped, leaves the
- * space map as it was.
+ * (-EEXIST), or no more than @keep_free blocks would be left free
+ * (-EWOULDBLOCK; also when the space map would have to recount, which
+ * tsp_pool_alloc_data_block() does), in one walk of the mapping tree;
+ * for the transaction manager's no-wait mode only.  The block is only
+ * reserved while the mapping is inserted, so that an insert refused for
+ * want of IO, or because @virt is mapped, leaves the space map as it was.
+ * Holding the reserved block's bitmap locked across the insert is safe
+ * only in no-wait mode, which copies no shared node: a copy takes a
+ * reference to every data block the node maps, and some of them may be
+ * counted in that bitmap.
  */
 static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 			      tsp_block_t keep_free, tsp_block_t *data)
@@ -1642,32 +1658,86 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	return r;
 }
 
+/* End an update that tried to provision: a refusal changed nothing. */
+static int end_provision(struct tsp_pool_metadata *pmd, int r)
+{
+	if (r == -EWOULDBLOCK || r == -EEXIST) {
+		up_write(&pmd->root_lock);
+		return r;
+	}
+	return end_update(pmd, r);
+}
+
 /**
- * tsp_thin_provision_nowait - map an unmapped block, where IO cannot be waited for
+ * tsp_thin_provision - where a virtual block is mapped, mapping it if it is not
  * @td: thin device
  * @virt: virtual block
- * @keep_free: refuse if no more than this many data blocks would be left
- *	free (the pool's low water mark: the blocking path raises its event)
+ * @keep_free: do not map @virt if no more than this many data blocks
+ *	would be left free (the pool's low water mark:
+ *	tsp_pool_alloc_data_block() is the way past it)
+ * @result: out: on success the new data block (reference count 1, not
+ *	shared); on -EEXIST, the mapping found, as from tsp_thin_find_block()
+ *
+ * What tsp_thin_find_block(), tsp_pool_alloc_data_block() and
+ * tsp_thin_insert_block() do for a block found unmapped, under one
+ * acquisition of @root_lock.
+ *
+ * Context: may sleep (takes @root_lock for writing, may read metadata).
+ *
+ * Return: 0 if @virt was mapped here; -EEXIST if it was mapped already;
+ * -EWOULDBLOCK if @keep_free stood in the way, no block is free until
+ * the next commit, or the metadata is read only or failed (nothing
+ * changed in these cases);
+ * or another error, which fails the metadata as any update's would.
+ */
+int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
+		       tsp_block_t keep_free,
+		       struct tsp_thin_lookup_result *result)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+	int r;
+
+	if (begin_update(pmd))
+		return -EWOULDBLOCK;
+	r = __lookup_block(td, virt, result);
+	if (!r) {
+		r = -EEXIST;
+	} else if (r == -ENODATA) {
+		result->shared = false;
+		if (tsp_data_sm_nr_free(pmd->data_sm) <= keep_free + 1)
+			r = -EWOULDBLOCK;
+		else
+			r = tsp_data_sm_new_block(pmd->data_sm, &result->block);
+		if (r == -ENOSPC)
+			r = -EWOULDBLOCK;
+		if (!r)
+			r = __insert_block(td, virt, result->block, pmd->time,
+					   true);
+	}
+	return end_provision(pmd, r);
+}
+
+/**
+ * tsp_thin_provision_nowait - tsp_thin_provision(), where IO cannot be waited for
+ * @td: thin device
+ * @virt: virtual block
+ * @keep_free: as for tsp_thin_provision()
  * @data: out, on success only: the data block @virt is now mapped to
  *	(reference count 1)
  *
- * What tsp_pool_alloc_data_block() and tsp_thin_insert_block() do
- * together, for the map path: a bio that metadata IO issued there would
- * not start before the map function returned.  It takes @root_lock only
- * if no one holds it, and runs the transaction manager in no-wait mode:
- * the update is refused if it needs a block that is not cached, a block
- * copied or allocated (the first change to a node or bitmap after a
- * commit, a split), or a search of the space map's bitmaps beyond the
- * cache.
+ * Maps @virt in one walk of the mapping tree, for the map path: a bio that metadata IO issued there would not start
+ * before the map function returned.  It takes @root_lock only if no one
+ * holds it, and runs the transaction manager in no-wait mode: the update
+ * is refused if it needs a block that is not cached, a block copied or
+ * allocated (the first change to a node or bitmap after a commit, a
+ * split), or a search of the space map's bitmaps beyond the cache.
  *
  * Context: may sleep (dm-bufio's lock), but waits for no IO and no holder
  * of @root_lock.
  *
- * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if the update was
- * refused (@virt may be mapped: the way to its leaf is not known without
- * the update's walk) or the metadata is read only or failed (nothing
- * changed: do it the way that may block); or another error, which fails
- * the metadata as any update's would.
+ * Return: as tsp_thin_provision(), and -EWOULDBLOCK also if the update
+ * was refused (@virt may be mapped: the way to its leaf is not known
+ * without the update's walk) or @root_lock was held.
  */
 int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 			      tsp_block_t keep_free, tsp_block_t *data)
@@ -1685,12 +1755,7 @@ int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	tsp_tm_set_nowait(pmd->tm, true);
 	r = __provision_nowait(td, virt, keep_free, data);
 	tsp_tm_set_nowait(pmd->tm, false);
-
-	if (r == -EWOULDBLOCK || r == -EEXIST) {
-		up_write(&pmd->root_lock);
-		return r;
-	}
-	return end_update(pmd, r);
+	return end_provision(pmd, r);
 }
 
 /**

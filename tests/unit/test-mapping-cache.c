@@ -1073,13 +1073,15 @@ static tsp_block_t provision_blocking(struct tsp_pool_metadata *pmd,
  * leave no more than its keep_free blocks free, it is refused and
  * changes nothing, not even which block the next allocation hands out;
  * otherwise it maps as a blocking allocation and insert do.  Then a
- * random mix of it with blocking provisions, removals, a snapshot and
- * commits, against a model, ending with tsp_pool_check() and thin_check
- * (if installed) clean.
+ * random mix of it with blocking provisions (tsp_thin_provision(), and
+ * allocation then insert), removals, a snapshot and commits, against a
+ * model, ending with tsp_pool_check() and thin_check (if installed)
+ * clean.
  */
 static void test_provision_nowait(void)
 {
 	static tsp_block_t model[NW_VIRTS];	/* data block + 1, 0: unmapped */
+	static tsp_block_t snap_model[NW_VIRTS];	/* model[] at the snapshot */
 	struct tsp_thin_lookup_result res;
 	unsigned int ok = 0, refused = 0, random_ok = 0, mapped_seen = 0, i;
 	struct tsp_thin_device *td, *snap;
@@ -1113,6 +1115,8 @@ static void test_provision_nowait(void)
 	CHECK_R(res.block, 5);
 	/* Not the block that would leave only @keep_free free. */
 	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 1, &b),
+		-EWOULDBLOCK);
+	CHECK_R(tsp_thin_provision(td, 100, nr_free(&p) - 1, &res),
 		-EWOULDBLOCK);
 	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 2, &b), 0);
 	CHECK_R(b, 100);
@@ -1162,9 +1166,23 @@ static void test_provision_nowait(void)
 				model[v] = b + 1;
 				random_ok++;
 			}
-		} else if (op < 70) {
+		} else if (op < 60) {
 			if (!model[v])
 				model[v] = provision_blocking(p.pmd, td, v) + 1;
+		} else if (op < 70) {
+			r = tsp_thin_provision(td, v, 0, &res);
+			if (model[v]) {
+				CHECK_R(r, -EEXIST);
+				CHECK_R(res.block, model[v] - 1);
+				CHECK_R(res.shared, model[v] == snap_model[v]);
+				CHECK_R(nr_free(&p), free_before);
+			} else {
+				CHECK_R(r, 0);
+				CHECK(!res.shared);
+				CHECK_R(nr_free(&p), free_before - 1);
+				FAST_HIT(td, v, res.block, false);
+				model[v] = res.block + 1;
+			}
 		} else if (op < 97) {
 			CHECK_R(tsp_thin_remove_block(td, v), model[v] ? 0 : -ENODATA);
 			model[v] = 0;
@@ -1172,6 +1190,7 @@ static void test_provision_nowait(void)
 			CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 		} else {
 			/* Now every node of the origin is shared. */
+			memcpy(snap_model, model, sizeof(model));
 			CHECK_R(tsp_pool_create_snap(p.pmd, 2, 1), 0);
 			CHECK_R(tsp_pool_open_thin_device(p.pmd, 2, &snap), 0);
 		}
