@@ -29,7 +29,9 @@ fi
 # And they hand the bios of every batch of two provisions or more to the
 # CPUs that mapped them (handover_min_batch=2; the module's default is 64,
 # which only oversubscribed runs reach), so that both ways of ending a
-# batch's bios run.
+# batch's bios run, and both ways a worker provisions a first write
+# without zeroing (a job, or mapped before the write in a pass of two
+# bios or more).
 HANDOVER_MIN_BATCH=/sys/module/$TSS_MODULE/parameters/handover_min_batch
 if [ -w "$HANDOVER_MIN_BATCH" ]; then
 	echo 2 >"$HANDOVER_MIN_BATCH"

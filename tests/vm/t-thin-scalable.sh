@@ -1174,10 +1174,18 @@ test_concurrent_fio_snapshot_nozero() {
 # them, side by side (job i the pieces i, i+4, i+8 and i+12), so that the
 # first writes to a block race: in map against each other, and against
 # the worker that owns the block.  None of the pieces is lost, and each
-# block is mapped once.
+# block is mapped once.  Every pass of a worker counts as long
+# (handover_min_batch=1), so the worker maps the first writes that reach
+# it before they are written, as map does.
 test_concurrent_first_writes_one_block() {
-	local used n
+	local used n old_batch
 	need_targets
+	if ours; then
+		old_batch=$(cat "$HANDOVER_MIN_BATCH")
+		# shellcheck disable=SC2064 # expanded now, on purpose
+		trap "echo $old_batch >$HANDOVER_MIN_BATCH" EXIT
+		echo 1 >"$HANDOVER_MIN_BATCH"
+	fi
 	make_pool 128 1 skip_block_zeroing
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
@@ -1190,6 +1198,11 @@ test_concurrent_first_writes_one_block() {
 	if ours; then
 		n=$(pool_stat provisioned_in_map)
 		log "blocks provisioned in map: $n of 960"
+		# The first allocation after the pool's creation copies a
+		# space map bitmap, which map refuses: its worker maps it.
+		n=$(pool_stat mapped_before_write)
+		log "blocks the worker mapped before their write: $n"
+		[ "$n" -gt 0 ] || fail "no block was mapped before its write by the worker: '$(dmsetup message tss-pool 0 stats)'"
 	fi
 	dm_remove tss-thin0
 	teardown_pool
