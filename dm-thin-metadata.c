@@ -1628,6 +1628,14 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	return end_update(pmd, __insert_block(td, virt, data, pmd->time, true));
 }
 
+/* Allocating a data block would leave more than @keep_free free. */
+static bool __may_allocate(struct tsp_pool_metadata *pmd, tsp_block_t keep_free)
+{
+	tsp_block_t nr_free = tsp_data_sm_nr_free(pmd->data_sm);
+
+	return nr_free > keep_free && nr_free - keep_free > 1;
+}
+
 /*
  * Allocate a data block and map @virt to it, unless @virt is mapped
  * (-EEXIST), or no more than @keep_free blocks would be left free
@@ -1648,7 +1656,7 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	struct tsp_block *bitmap;
 	int r;
 
-	if (tsp_data_sm_nr_free(pmd->data_sm) <= keep_free + 1)
+	if (!__may_allocate(pmd, keep_free))
 		return -EWOULDBLOCK;
 	r = tsp_data_sm_reserve(pmd->data_sm, data, &bitmap);
 	if (r)
@@ -1686,9 +1694,11 @@ static int end_provision(struct tsp_pool_metadata *pmd, int r)
  *
  * Return: 0 if @virt was mapped here; -EEXIST if it was mapped already;
  * -EWOULDBLOCK if @keep_free stood in the way, no block is free until
- * the next commit, or the metadata is read only or failed (nothing
- * changed in these cases);
- * or another error, which fails the metadata as any update's would.
+ * the next commit, the metadata is read only or failed, or the lookup
+ * failed (nothing changed in these cases: the caller's way on is
+ * tsp_thin_find_block() and tsp_pool_alloc_data_block(), which report
+ * what stood in the way); or the error of the allocation or the insert,
+ * which fails the metadata as any update's would.
  */
 int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
 		       tsp_block_t keep_free,
@@ -1700,44 +1710,49 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
 	if (begin_update(pmd))
 		return -EWOULDBLOCK;
 	r = __lookup_block(td, virt, result);
+	if (r != -ENODATA) {
+		up_write(&pmd->root_lock);
+		return r ? -EWOULDBLOCK : -EEXIST;
+	}
+
+	result->shared = false;
+	r = __may_allocate(pmd, keep_free) ?
+	    tsp_data_sm_new_block(pmd->data_sm, &result->block) : -ENOSPC;
+	if (r == -ENOSPC)
+		r = -EWOULDBLOCK;
 	if (!r) {
-		r = -EEXIST;
-	} else if (r == -ENODATA) {
-		result->shared = false;
-		if (tsp_data_sm_nr_free(pmd->data_sm) <= keep_free + 1)
-			r = -EWOULDBLOCK;
-		else
-			r = tsp_data_sm_new_block(pmd->data_sm, &result->block);
-		if (r == -ENOSPC)
-			r = -EWOULDBLOCK;
-		if (!r)
-			r = __insert_block(td, virt, result->block, pmd->time,
-					   true);
+		r = __insert_block(td, virt, result->block, pmd->time, false);
+		/* Found unmapped a moment ago: the tree contradicts itself. */
+		if (r == -EEXIST)
+			r = -EILSEQ;
 	}
 	return end_provision(pmd, r);
 }
 
 /**
- * tsp_thin_provision_nowait - tsp_thin_provision(), where IO cannot be waited for
+ * tsp_thin_provision_nowait - map an unmapped block, where IO cannot be waited for
  * @td: thin device
  * @virt: virtual block
  * @keep_free: as for tsp_thin_provision()
  * @data: out, on success only: the data block @virt is now mapped to
  *	(reference count 1)
  *
- * Maps @virt in one walk of the mapping tree, for the map path: a bio that metadata IO issued there would not start
- * before the map function returned.  It takes @root_lock only if no one
- * holds it, and runs the transaction manager in no-wait mode: the update
- * is refused if it needs a block that is not cached, a block copied or
- * allocated (the first change to a node or bitmap after a commit, a
- * split), or a search of the space map's bitmaps beyond the cache.
+ * Maps @virt in one walk of the mapping tree, for the map path: a bio
+ * that metadata IO issued there would not start before the map function
+ * returned.  It takes @root_lock only if no one holds it, and runs the
+ * transaction manager in no-wait mode: the update is refused if it needs
+ * a block that is not cached, a block copied or allocated (the first
+ * change to a node or bitmap after a commit, a split), or a search of
+ * the space map's bitmaps beyond the cache.
  *
  * Context: may sleep (dm-bufio's lock), but waits for no IO and no holder
  * of @root_lock.
  *
- * Return: as tsp_thin_provision(), and -EWOULDBLOCK also if the update
- * was refused (@virt may be mapped: the way to its leaf is not known
- * without the update's walk) or @root_lock was held.
+ * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if @keep_free stood
+ * in the way, the update was refused (@virt may be mapped: the way to its
+ * leaf is not known without the update's walk), @root_lock was held or
+ * the metadata is read only or failed (nothing changed in these cases);
+ * or another error, which fails the metadata as any update's would.
  */
 int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 			      tsp_block_t keep_free, tsp_block_t *data)

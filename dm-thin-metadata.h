@@ -230,14 +230,16 @@ int __must_check tsp_thin_insert_block(struct tsp_thin_device *td,
 /*
  * Look @virt up and, if it is unmapped, allocate and map it, in one
  * update; or -EEXIST (@virt is mapped, @result says where) or
- * -EWOULDBLOCK, having changed nothing (see dm-thin-metadata.c).
+ * -EWOULDBLOCK, having changed nothing, or another error, having failed
+ * the metadata (see dm-thin-metadata.c).
  */
 int __must_check tsp_thin_provision(struct tsp_thin_device *td,
 				    tsp_block_t virt, tsp_block_t keep_free,
 				    struct tsp_thin_lookup_result *result);
 /*
  * Allocate and map in one walk, for the map path: waits for no IO and no
- * lock; 0, or -EEXIST or -EWOULDBLOCK, having changed nothing.
+ * lock; 0, or -EEXIST or -EWOULDBLOCK, having changed nothing, or
+ * another error, having failed the metadata.
  */
 int __must_check tsp_thin_provision_nowait(struct tsp_thin_device *td,
 					   tsp_block_t virt,

@@ -43,7 +43,9 @@
  *     is off), breaks sharing (copying with dm-kcopyd), unmaps discarded
  *     blocks (discards are cut at region ends in map), maps the blocks of
  *     finished jobs in batches, and commits.  The bios of a long batch
- *     are ended on the CPUs that mapped them (handover_min_batch).
+ *     are ended on the CPUs that mapped them, and in a long pass the
+ *     first writes it maps before they are written are issued there
+ *     (handover_min_batch).
  *     Workers run concurrently; the metadata lock orders their metadata
  *     changes.
  *
@@ -74,9 +76,10 @@
  *                      none lands between a commit's data device flush
  *                      and its metadata commit; freed_this_transaction,
  *                      passdowns; metadata_low_water_triggered.  Not
- *                      provision_in_map(): its bio is issued after the
- *                      mapping exists, so no completed write depends on
- *                      a mapping a commit could miss
+ *                      provision_in_map() or map_before_write(): their
+ *                      bio is issued after the mapping exists, so no
+ *                      completed write depends on a mapping a commit
+ *                      could miss
  *   pool->lock         (irq-safe spinlock) pool->retry_list; the
  *                      pool's list of thin targets and its suspended
  *                      flag; each thin target's requeue_no_space
@@ -242,7 +245,7 @@ MODULE_PARM_DESC(pool_workers,
 static unsigned int handover_min_batch = 64;
 module_param(handover_min_batch, uint, 0644);
 MODULE_PARM_DESC(handover_min_batch,
-		 "Provisions completed together from which their bios are ended on their submitters' CPUs (0: never)");
+		 "Provisions completed together, or bios in a worker's pass, from which the worker hands their bios to their submitters' CPUs (0: never)");
 
 static unsigned int cache_budget_mib = 64;
 module_param_named(cache_budget_mib, cache_budget_mib, uint, 0644);
@@ -447,7 +450,7 @@ struct thin_c {
 
 /* Per bio, in the thin target's per-bio data. */
 struct thin_bio {
-	struct llist_node node;		/* on a deferred list */
+	struct llist_node node;		/* deferred, or handed to a CPU */
 	struct thin_c *tc;
 	int epoch;			/* -1: not counted */
 	int cpu;			/* that mapped it */
@@ -640,12 +643,18 @@ static void epoch_wait_grace_period(struct pool *pool)
 		schedule_timeout_uninterruptible(1);
 }
 
-/* Send a remapped @bio, counted in the epoch. */
-static void submit_counted(struct pool *pool, struct bio *bio)
+/* Count @bio in the current epoch, outside a lookup's RCU section. */
+static void count_in_epoch(struct pool *pool, struct bio *bio)
 {
 	rcu_read_lock();
 	epoch_enter(pool, thin_bio(bio));
 	rcu_read_unlock();
+}
+
+/* Send a remapped @bio, counted in the epoch. */
+static void submit_counted(struct pool *pool, struct bio *bio)
+{
+	count_in_epoch(pool, bio);
 	submit_bio_noacct(bio);
 }
 
@@ -1715,9 +1724,10 @@ static void provision(struct worker *w, struct thin_c *tc, struct bio *bio,
  * the CPU that mapped @bio issues it as it is, so that a device that
  * completes a bio in its submitter's context (brd) does the copy and
  * wakes the submitter there, while the worker, the bottleneck in a long
- * pass, goes on.  In a short pass the job path does better: at 2 vCPUs
- * this path issuing the writes itself ran first writes 5% slower, its
- * completions no longer batched (README, Performance).
+ * pass, goes on.  In a short pass the job path batches the inserts and
+ * the ends of the bios: at 2 vCPUs, this path in every pass, issuing the
+ * writes from the worker, ran first writes 5% slower (README,
+ * Performance).
  */
 static void map_before_write(struct worker *w, struct bio *bio,
 			     tsp_block_t data)
@@ -1726,9 +1736,7 @@ static void map_before_write(struct worker *w, struct bio *bio,
 
 	this_cpu_inc(pool->stats->mapped_before_write);
 	remap(pool, bio, data);
-	rcu_read_lock();
-	epoch_enter(pool, thin_bio(bio));
-	rcu_read_unlock();
+	count_in_epoch(pool, bio);
 	hand_over_issue(pool, bio);
 }
 
@@ -1875,7 +1883,10 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 		return;
 	}
 
-	/* Past the metadata reserve, alloc_block() switches the pool's mode. */
+	/*
+	 * -EWOULDBLOCK: not tried, or refused having changed nothing.  Past
+	 * the metadata reserve, alloc_block() switches the pool's mode.
+	 */
 	r = -EWOULDBLOCK;
 	if (long_pass && may_map_before_write(tc, bio, virt) &&
 	    !metadata_reserve_reached(pool)) {
@@ -1891,11 +1902,8 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 			return;
 		}
 	}
-	/* On -EEXIST @result says where it is mapped. */
-	if (r == -EWOULDBLOCK)
-		r = tsp_thin_find_block(tc->td, virt, &result);
-	else
-		r = 0;
+	/* -EEXIST: mapped, and @result says where. */
+	r = r == -EEXIST ? 0 : tsp_thin_find_block(tc->td, virt, &result);
 	if (r == -ENODATA) {
 		if (bio_data_dir(bio) == READ)
 			read_unprovisioned(tc, bio);
@@ -3224,12 +3232,9 @@ static bool provision_in_map(struct thin_c *tc, struct bio *bio,
 	r = find_job(w, tc, virt) ? -EBUSY :
 	    tsp_thin_provision_nowait(tc->td, virt, pool->low_water_blocks,
 				      &data);
-	if (!r) {
-		/* Before the worker may run a discard of the block. */
-		rcu_read_lock();
-		epoch_enter(pool, tb);
-		rcu_read_unlock();
-	}
+	/* Before the worker may run a discard of the block. */
+	if (!r)
+		count_in_epoch(pool, bio);
 	mutex_unlock(&w->pass_lock);
 
 	if (r) {

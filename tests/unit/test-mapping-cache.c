@@ -1205,6 +1205,17 @@ static void test_provision_nowait(void)
 		}
 	}
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	/* A block found mapped, or a refusal, leaves nothing to commit. */
+	for (v = 0; !model[v]; v++)
+		;
+	CHECK_R(tsp_thin_provision(td, v, 0, &res), -EEXIST);
+	CHECK_R(tsp_thin_provision(td, NW_VIRTS, nr_free(&p), &res),
+		-EWOULDBLOCK);
+	/* A low water mark of all blocks there could be refuses too. */
+	CHECK_R(tsp_thin_provision(td, NW_VIRTS, ~0ULL, &res), -EWOULDBLOCK);
+	CHECK_R(tsp_thin_provision_nowait(td, NW_VIRTS, ~0ULL, &b),
+		-EWOULDBLOCK);
+	CHECK(!tsp_pool_changed_this_transaction(p.pmd));
 	CHECK_R(tsp_pool_check(p.pmd), 0);
 	/* Not every mapped block refused: most have their path copied. */
 	CHECK(mapped_seen > 0);
