@@ -38,11 +38,12 @@
  *     owner's deferred list (an llist, pushed from any CPU) and the
  *     owner is kicked.  The owner serialises bios per block
  *     through its table of running jobs (the per-block lock table, one
- *     shard per worker, so no lock), provisions (the bio writes its part
- *     of the new block while zeroing bios write the rest, unless zeroing
- *     is off), breaks sharing (copying with dm-kcopyd), unmaps discarded
- *     blocks (discards are cut at region ends in map), maps the blocks of
- *     finished jobs in batches, and commits.  The bios of a long batch
+ *     shard per worker, so no lock), provisions (the bio's data and the
+ *     zeroes around it go to the new block in one write, or beside
+ *     zeroing bios, unless zeroing is off), breaks sharing (copying
+ *     with dm-kcopyd), unmaps discarded blocks (discards are cut at
+ *     region ends in map), maps the blocks of finished jobs in
+ *     batches, and commits.  The bios of a long batch
  *     are ended on the CPUs that mapped them, and in a long pass the
  *     first writes it maps before they are written are issued there
  *     (handover_min_batch).
@@ -470,7 +471,7 @@ struct job {
 	struct thin_c *tc;
 	struct tsp_new_mapping mapping;	/* virtual block -> new data block */
 	struct bio *bio;		/* issued once the mapping exists */
-	bool bio_wrote_block;		/* @bio went first, with any zeroing */
+	bool bio_wrote_block;		/* @bio's data is in the block */
 	bool breaks_sharing;		/* replaces a shared block's mapping */
 	struct bio_list waiting;	/* later bios for the same block */
 	atomic_t pending;		/* IOs filling the block */
@@ -1202,13 +1203,33 @@ static void start_overwrite(struct pool *pool, struct job *job)
 	issue_remapped(pool, bio, job->mapping.data);
 }
 
-static void zero_endio(struct bio *bio)
+/* A write of zeroes into @job's new block, maybe with its bio's data, is done. */
+static void fill_endio(struct bio *bio)
 {
 	struct job *job = bio->bi_private;
 	int err = blk_status_to_errno(bio->bi_status);
 
 	bio_put(bio);
 	job_io_done(job, err);
+}
+
+/* Add @nr sectors of zeroes to @bio, which has a vector free per page. */
+static void bio_add_zeroes(struct bio *bio, sector_t nr)
+{
+	sector_t len;
+
+	for (; nr; nr -= len) {
+		len = min_t(sector_t, nr, PAGE_SECTORS);
+		__bio_add_page(bio, ZERO_PAGE(0), len << SECTOR_SHIFT, 0);
+	}
+}
+
+/* Send @bio, filling part of @job's new block, as one of @job's IOs. */
+static void submit_fill(struct job *job, struct bio *bio)
+{
+	bio->bi_end_io = fill_endio;
+	bio->bi_private = job;
+	submit_bio_noacct(bio);
 }
 
 /*
@@ -1225,42 +1246,68 @@ static void zero_range(struct pool *pool, struct job *job, sector_t sector,
 	struct bio *bio;
 	sector_t len;
 
-	while (nr) {
+	for (; nr; sector += len, nr -= len) {
 		if (offload) {
 			/* The block layer splits it to the device's limit. */
+			len = min_t(sector_t, nr, UINT_MAX >> SECTOR_SHIFT);
 			bio = bio_alloc_bioset(pool->data_dev.bdev, 0,
 					       REQ_OP_WRITE_ZEROES, GFP_NOIO,
 					       &pool->zero_bios);
-			len = min_t(sector_t, nr, UINT_MAX >> SECTOR_SHIFT);
-			bio->bi_iter.bi_sector = sector;
 			bio->bi_iter.bi_size = len << SECTOR_SHIFT;
-			sector += len;
-			nr -= len;
 		} else {
+			len = min_t(sector_t, nr, BIO_MAX_VECS * PAGE_SECTORS);
 			bio = bio_alloc_bioset(pool->data_dev.bdev,
-					       min_t(sector_t, DIV_ROUND_UP(nr, PAGE_SECTORS),
-						     BIO_MAX_VECS),
+					       DIV_ROUND_UP(len, PAGE_SECTORS),
 					       REQ_OP_WRITE, GFP_NOIO, &pool->zero_bios);
-			bio->bi_iter.bi_sector = sector;
-			do {
-				len = min_t(sector_t, nr, PAGE_SECTORS);
-				if (!bio_add_page(bio, ZERO_PAGE(0),
-						  len << SECTOR_SHIFT, 0))
-					break;
-				sector += len;
-				nr -= len;
-			} while (nr);
+			bio_add_zeroes(bio, len);
 		}
-		bio->bi_end_io = zero_endio;
-		bio->bi_private = job;
+		bio->bi_iter.bi_sector = sector;
 		atomic_inc(&job->pending);
-		submit_bio_noacct(bio);
+		submit_fill(job, bio);
 	}
 }
 
 /*
+ * Write the whole of @job's new block in one bio, @job->bio's data at
+ * @begin sectors into it and zeroes around, if one bio holds it all: one
+ * IO where zeroing the rest beside the bio takes two or three.  @job->bio
+ * itself is not issued; its worker ends it once the block is mapped.
+ * Worker only; may sleep for a bio.
+ *
+ * Return: false if the block needs more vectors than a bio has.
+ */
+static bool write_with_zeroes(struct pool *pool, struct job *job,
+			      sector_t begin)
+{
+	struct bio *bio = job->bio, *write;
+	sector_t end = begin + bio_sectors(bio);
+	unsigned int nr_vecs = DIV_ROUND_UP(begin, PAGE_SECTORS) +
+			       bio_segments(bio) +
+			       DIV_ROUND_UP(pool->sectors_per_block - end, PAGE_SECTORS);
+	struct bvec_iter iter;
+	struct bio_vec bv;
+
+	if (nr_vecs > BIO_MAX_VECS)
+		return false;
+	write = bio_alloc_bioset(pool->data_dev.bdev, nr_vecs, REQ_OP_WRITE,
+				 GFP_NOIO, &pool->zero_bios);
+	write->bi_iter.bi_sector = job->mapping.data * pool->sectors_per_block;
+	bio_clone_blkg_association(write, bio);
+	bio_add_zeroes(write, begin);
+	bio_for_each_segment(bv, bio, iter)
+		__bio_add_page(write, bv.bv_page, bv.bv_len, bv.bv_offset);
+	bio_add_zeroes(write, pool->sectors_per_block - end);
+	/* job->pending counts @bio already: @write's end stands for it. */
+	job->bio_wrote_block = true;
+	submit_fill(job, write);
+	return true;
+}
+
+/*
  * Provision for a bio that writes part of a new block: zero the rest of
- * the block while the bio writes its part; map the block when all are done.
+ * the block, writing it with the bio's data where the device has no
+ * WRITE ZEROES, else while the bio writes its part; map the block when
+ * all of it is written.
  */
 static void zero_around(struct pool *pool, struct job *job)
 {
@@ -1268,6 +1315,9 @@ static void zero_around(struct pool *pool, struct job *job)
 	sector_t begin = block_offset(pool, job->bio->bi_iter.bi_sector);
 	sector_t end = begin + bio_sectors(job->bio);
 
+	if (!bdev_write_zeroes_sectors(pool->data_dev.bdev) &&
+	    write_with_zeroes(pool, job, begin))
+		return;
 	/* Before the bio: job->pending counts it already, so the job waits. */
 	zero_range(pool, job, start, begin);
 	zero_range(pool, job, start + end, pool->sectors_per_block - end);

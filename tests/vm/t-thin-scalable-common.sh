@@ -164,16 +164,18 @@ run_fio() {
 		{ cat "$name.log"; fail "fio $name failed"; }
 }
 
-# check_zeroed_around <image> <blocks> <offset>: each 64 KiB block of
-# <image> has data in its 4 KiB at byte <offset> and zeroes around it
-# (a first write to a new block, zeroing on); prints each bad block.
+# check_zeroed_around <image> <blocks> <offset> [<block bytes>]: each
+# block of <image> (64 KiB unless given) has data in its 4 KiB at byte
+# <offset> and zeroes around it (a first write to a new block, zeroing
+# on); prints each bad block.
 check_zeroed_around() {
 	perl -e '
-		my ($img, $n, $off) = @ARGV;
+		my ($img, $n, $off, $bs) = @ARGV;
+		$bs //= 65536;
 		open(my $f, "<:raw", $img) or die "$img: $!";
 		my $bad = 0;
 		for my $i (0 .. $n - 1) {
-			read($f, my $blk, 65536) == 65536 or die "short read";
+			read($f, my $blk, $bs) == $bs or die "short read";
 			if (substr($blk, 0, $off) =~ /[^\0]/) { print "block $i: not zeroes before the 4k written\n"; $bad++; }
 			if (substr($blk, $off, 4096) =~ /^\0*$/) { print "block $i: the 4k written read as zeroes\n"; $bad++; }
 			if (substr($blk, $off + 4096) =~ /[^\0]/) { print "block $i: not zeroes after the 4k written\n"; $bad++; }

@@ -1,8 +1,8 @@
 #!/bin/bash
 # VM tests of our targets, thin-scal-pool and thin-scalable: basic IO
-# and status lines, snapshots, discard and isolation, zeroing with WRITE
-# ZEROES, flush durability, pool messages, out of data space, concurrent
-# IO with a snapshot.
+# and status lines, snapshots, discard and isolation, zeroing (with WRITE
+# ZEROES, and in blocks too big for one bio), flush durability, pool
+# messages, out of data space, concurrent IO with a snapshot.
 #
 # TSP_POOL_TARGET=thin-pool TSP_THIN_TARGET=thin run the same tests against
 # the stock dm-thin (scripts/vm-run --env ...): the baseline that proves a
@@ -484,6 +484,29 @@ test_zeroing_offload() {
 	check_meta /dev/ram0
 	losetup -d "$loop"
 	umount wz
+}
+
+# A partial first write to a new block is written with the zeroes around
+# it in one bio where the block fits in one (64 KiB blocks, above), else
+# beside zeroing bios: 2 MiB blocks need more pages than a bio holds.
+# The data device starts all 0xff, so a block left unzeroed shows.
+test_zeroing_big_blocks() {
+	local t=/dev/mapper/tss-t
+	need_targets
+	brd_setup 2 64
+	perl -e 'print "\xff" x 1048576 for 1 .. 64' |
+		dd of=/dev/ram1 bs=1M iflag=fullblock oflag=direct status=none
+	dd if=/dev/zero of=/dev/ram0 bs=4096 count=1 oflag=direct status=none
+	dm_create tss-pool "0 131072 $POOL_T /dev/ram0 /dev/ram1 4096 $LOW_WATER 0"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-t "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	run_fio big --filename=$t --rw=write:2044k --bs=4k --offset=8k --size=16M \
+		--verify=crc32c --verify_fatal=1 --do_verify=1
+	dd if=$t of=t.img bs=1M count=16 iflag=direct status=none
+	check_zeroed_around t.img 8 8192 $((2 << 20)) || fail "new 2 MiB blocks not zeroed"
+	dm_remove tss-t
+	dm_remove tss-pool
+	check_meta /dev/ram0
 }
 
 # --- 4c. a commit that fails passes nothing down ----------------------------
@@ -1295,6 +1318,7 @@ run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_discard_passdown test_discard_passdown
 run_test thin_scalable_passdown_failed_commit test_passdown_failed_commit
 run_test thin_scalable_zeroing_offload test_zeroing_offload
+run_test thin_scalable_zeroing_big_blocks test_zeroing_big_blocks
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
