@@ -1196,11 +1196,14 @@ test_concurrent_fio_snapshot_nozero() {
 # Four jobs write the sixteen 4k pieces of every 64 KiB block between
 # them, side by side (job i the pieces i, i+4, i+8 and i+12), so that the
 # first writes to a block race: in map against each other, and against
-# the worker that owns the block.  None of the pieces is lost, and each
-# block is mapped once.  Every pass of a worker counts as long
-# (handover_min_batch=1), so the worker maps the first writes that reach
-# it before they are written, as map does.
-test_concurrent_first_writes_one_block() {
+# the worker that owns the block.  None of the pieces is lost (with
+# zeroing, none is zeroed by the write that fills its block for
+# another), and each block is mapped once.  Every pass of a worker
+# counts as long (handover_min_batch=1), so the worker maps the first
+# writes without zeroing that reach it before they are written, as map
+# does, and ends the bios of every batch of provisions on their CPUs.
+# concurrent_first_writes_one_block <#features> [<feature>...]
+concurrent_first_writes_one_block() {
 	local used n old_batch
 	need_targets
 	if ours; then
@@ -1209,7 +1212,7 @@ test_concurrent_first_writes_one_block() {
 		trap "echo $old_batch >$HANDOVER_MIN_BATCH" EXIT
 		echo 1 >"$HANDOVER_MIN_BATCH"
 	fi
-	make_pool 128 1 skip_block_zeroing
+	make_pool 128 "$@"
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
 	run_fio pieces --filename=/dev/mapper/tss-thin0 --iodepth=8 --numjobs=4 \
@@ -1218,7 +1221,11 @@ test_concurrent_first_writes_one_block() {
 	grep -E 'err=|WRITE:|READ:' pieces.log | sed 's/^/      /'
 	used=$(pool_used tss-pool)
 	[ "$used" = 960 ] || fail "960 blocks written, $used data blocks used"
-	if ours; then
+	if ours && [ "$1" = 0 ]; then
+		n=$(pool_stat handed_over_ios)
+		log "bios ended on their submitters' CPUs: $n"
+		[ "$n" -gt 0 ] || fail "no bio was handed over: '$(dmsetup message tss-pool 0 stats)'"
+	elif ours; then
 		n=$(pool_stat provisioned_in_map)
 		log "blocks provisioned in map: $n of 960"
 		# The first allocation after the pool's creation copies a
@@ -1229,6 +1236,14 @@ test_concurrent_first_writes_one_block() {
 	fi
 	dm_remove tss-thin0
 	teardown_pool
+}
+
+test_concurrent_first_writes_one_block() {
+	concurrent_first_writes_one_block 1 skip_block_zeroing
+}
+
+test_concurrent_first_writes_one_block_zeroing() {
+	concurrent_first_writes_one_block 0
 }
 
 # --- 10. out of metadata space ----------------------------------------------
@@ -1330,5 +1345,6 @@ run_test thin_scalable_read_only_reload test_read_only_reload
 run_test thin_scalable_concurrent_fio_snapshot test_concurrent_fio_snapshot
 run_test thin_scalable_concurrent_fio_snapshot_nozero test_concurrent_fio_snapshot_nozero
 run_test thin_scalable_concurrent_first_writes_one_block test_concurrent_first_writes_one_block
+run_test thin_scalable_concurrent_first_writes_one_block_zeroing test_concurrent_first_writes_one_block_zeroing
 run_test thin_scalable_metadata_space test_metadata_space
 summary
