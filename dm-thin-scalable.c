@@ -14,8 +14,8 @@
  *   thin        a virtual device mapped onto pool blocks (struct thin_c)
  *   block       a data block of sectors_per_block sectors
  *   job         the provisioning of one virtual block: copying into a new
- *               data block, or letting the bio write its part while the
- *               rest is zeroed, then inserting the mapping
+ *               data block, or writing the bio's part of it with the rest
+ *               zeroed, then inserting the mapping
  *   epoch       a per-CPU count of IOs remapped to data blocks, in two
  *               generations; see "Deferred free" below
  *
@@ -283,6 +283,7 @@ struct pool_stats {
 	u64 deferred;		/* handed to the worker */
 	u64 provisioned_in_map;	/* provision_in_map() */
 	u64 mapped_before_write; /* map_before_write() */
+	u64 blocks_written_whole; /* write_with_zeroes() */
 };
 
 struct pool {
@@ -301,7 +302,7 @@ struct pool {
 
 	struct tsp_pool_metadata *pmd;
 	struct dm_kcopyd_client *copier;
-	struct bio_set zero_bios;		/* zeroing new blocks */
+	struct bio_set zero_bios;		/* filling new blocks */
 	struct workqueue_struct *wq;
 	struct workqueue_struct *completion_wq;	/* per CPU, high priority */
 	struct cpu_completions __percpu *completions;
@@ -1271,8 +1272,10 @@ static void zero_range(struct pool *pool, struct job *job, sector_t sector,
  * Write the whole of @job's new block in one bio, @job->bio's data at
  * @begin sectors into it and zeroes around, if one bio holds it all: one
  * IO where zeroing the rest beside the bio takes two or three.  @job->bio
- * itself is not issued; its worker ends it once the block is mapped.
- * Worker only; may sleep for a bio.
+ * itself is not issued; its worker ends it once the block is mapped.  The
+ * write carries its priority and its hints (not FUA: the commit that maps
+ * the block flushes first) and, zeroes included, is charged to its
+ * cgroup.  Worker only; may sleep for a bio.
  *
  * Return: false if the block needs more vectors than a bio has.
  */
@@ -1291,6 +1294,8 @@ static bool write_with_zeroes(struct pool *pool, struct job *job,
 		return false;
 	write = bio_alloc_bioset(pool->data_dev.bdev, nr_vecs, REQ_OP_WRITE,
 				 GFP_NOIO, &pool->zero_bios);
+	write->bi_opf |= bio->bi_opf & (REQ_SYNC | REQ_IDLE | REQ_META | REQ_PRIO);
+	write->bi_ioprio = bio->bi_ioprio;
 	write->bi_iter.bi_sector = job->mapping.data * pool->sectors_per_block;
 	bio_clone_blkg_association(write, bio);
 	bio_add_zeroes(write, begin);
@@ -1299,6 +1304,7 @@ static bool write_with_zeroes(struct pool *pool, struct job *job,
 	bio_add_zeroes(write, pool->sectors_per_block - end);
 	/* job->pending counts @bio already: @write's end stands for it. */
 	job->bio_wrote_block = true;
+	this_cpu_inc(pool->stats->blocks_written_whole);
 	submit_fill(job, write);
 	return true;
 }
@@ -2813,6 +2819,8 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 			per_cpu_ptr(pool->stats, cpu)->provisioned_in_map;
 		sum.mapped_before_write +=
 			per_cpu_ptr(pool->stats, cpu)->mapped_before_write;
+		sum.blocks_written_whole +=
+			per_cpu_ptr(pool->stats, cpu)->blocks_written_whole;
 	}
 	if (tsp_pool_get_data_block_count(pool->pmd, &nr) ||
 	    tsp_pool_get_free_block_count(pool->pmd, &nr_free))
@@ -2822,7 +2830,7 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 	DMEMIT("fast_ios %llu deferred_ios %llu cache_entries %llu cache_hits %llu "
 	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu "
 	       "workers %u worker_passes %llu handed_over_ios %llu "
-	       "provisioned_in_map %llu mapped_before_write %llu",
+	       "provisioned_in_map %llu mapped_before_write %llu blocks_written_whole %llu",
 	       (unsigned long long)sum.fast, (unsigned long long)sum.deferred,
 	       (unsigned long long)cache.entries, (unsigned long long)cache.hits,
 	       (unsigned long long)cache.misses, (unsigned long long)cache.evictions,
@@ -2830,7 +2838,8 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 	       (unsigned long long)(nr - nr_free), pool->nr_workers,
 	       (unsigned long long)passes, (unsigned long long)handed_over,
 	       (unsigned long long)sum.provisioned_in_map,
-	       (unsigned long long)sum.mapped_before_write);
+	       (unsigned long long)sum.mapped_before_write,
+	       (unsigned long long)sum.blocks_written_whole);
 	return 1;
 }
 

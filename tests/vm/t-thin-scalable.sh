@@ -486,27 +486,54 @@ test_zeroing_offload() {
 	umount wz
 }
 
-# A partial first write to a new block is written with the zeroes around
-# it in one bio where the block fits in one (64 KiB blocks, above), else
-# beside zeroing bios: 2 MiB blocks need more pages than a bio holds.
-# The data device starts all 0xff, so a block left unzeroed shows.
-test_zeroing_big_blocks() {
-	local t=/dev/mapper/tss-t
+# zeroing_around <block sectors>: first writes to parts of new blocks
+# read back with zeroes around their data.  A block that fits in one bio
+# with the data is written whole in one bio, a bigger one beside zeroing
+# bios (blocks_written_whole in the stats message counts the former).
+# 4k at 8k into each of eight blocks (fio, verified), then 1536 bytes at
+# sector 17 of the ninth, which ends no page.  The data device starts
+# all 0xff, so a block left unzeroed shows.
+zeroing_around() {
+	local t=/dev/mapper/tss-t bs=$(($1 * 512)) n
 	need_targets
 	brd_setup 2 64
 	perl -e 'print "\xff" x 1048576 for 1 .. 64' |
 		dd of=/dev/ram1 bs=1M iflag=fullblock oflag=direct status=none
 	dd if=/dev/zero of=/dev/ram0 bs=4096 count=1 oflag=direct status=none
-	dm_create tss-pool "0 131072 $POOL_T /dev/ram0 /dev/ram1 4096 $LOW_WATER 0"
+	dm_create tss-pool "0 131072 $POOL_T /dev/ram0 /dev/ram1 $1 $LOW_WATER 0"
 	dm_message tss-pool "create_thin 0"
 	dm_create tss-t "0 131072 $THIN_T /dev/mapper/tss-pool 0"
-	run_fio big --filename=$t --rw=write:2044k --bs=4k --offset=8k --size=16M \
-		--verify=crc32c --verify_fatal=1 --do_verify=1
-	dd if=$t of=t.img bs=1M count=16 iflag=direct status=none
-	check_zeroed_around t.img 8 8192 $((2 << 20)) || fail "new 2 MiB blocks not zeroed"
+	run_fio holes --filename=$t --rw=write:$((bs / 1024 - 4))k --bs=4k --offset=8k \
+		--size=$((8 * bs)) --verify=crc32c --verify_fatal=1 --do_verify=1
+	dd if=$t of=t.img bs="$bs" count=8 iflag=direct status=none
+	check_zeroed_around t.img 8 8192 "$bs" || fail "new blocks of $bs bytes not zeroed"
+	head -c 1536 /dev/urandom >piece
+	dd if=piece of=$t bs=512 seek=$((8 * $1 + 17)) oflag=direct status=none ||
+		fail "writing 1536 bytes at sector 17 of a new block failed"
+	{ head -c $((17 * 512)) /dev/zero; cat piece; head -c $((bs - 17 * 512 - 1536)) /dev/zero; } |
+		cmp -s - <(dd if=$t bs="$bs" skip=8 count=1 iflag=direct status=none) ||
+		fail "a new block is not 1536 bytes of data at sector 17 with zeroes around"
+	if ours; then
+		n=$(pool_stat blocks_written_whole)
+		log "blocks written whole in one bio: $n of 9"
+		if [ "$bs" -le $((1 << 20)) ]; then
+			[ "$n" = 9 ] || fail "$n of 9 new blocks written whole"
+		else
+			[ "$n" = 0 ] || fail "$n new blocks of $bs bytes written whole"
+		fi
+	fi
 	dm_remove tss-t
 	dm_remove tss-pool
 	check_meta /dev/ram0
+}
+
+test_zeroing_around() {
+	zeroing_around 128
+}
+
+# 2 MiB blocks need more pages than a bio holds.
+test_zeroing_big_blocks() {
+	zeroing_around 4096
 }
 
 # --- 4c. a commit that fails passes nothing down ----------------------------
@@ -1201,7 +1228,8 @@ test_concurrent_fio_snapshot_nozero() {
 # another), and each block is mapped once.  Every pass of a worker
 # counts as long (handover_min_batch=1), so the worker maps the first
 # writes without zeroing that reach it before they are written, as map
-# does, and ends the bios of every batch of provisions on their CPUs.
+# does.  With zeroing, the first piece to reach a block is written with
+# the zeroes around it in one bio while the others wait for its job.
 # concurrent_first_writes_one_block <#features> [<feature>...]
 concurrent_first_writes_one_block() {
 	local used n old_batch
@@ -1222,9 +1250,9 @@ concurrent_first_writes_one_block() {
 	used=$(pool_used tss-pool)
 	[ "$used" = 960 ] || fail "960 blocks written, $used data blocks used"
 	if ours && [ "$1" = 0 ]; then
-		n=$(pool_stat handed_over_ios)
-		log "bios ended on their submitters' CPUs: $n"
-		[ "$n" -gt 0 ] || fail "no bio was handed over: '$(dmsetup message tss-pool 0 stats)'"
+		n=$(pool_stat blocks_written_whole)
+		log "blocks written whole in one bio: $n of 960"
+		[ "$n" -gt 0 ] || fail "no block was written whole: '$(dmsetup message tss-pool 0 stats)'"
 	elif ours; then
 		n=$(pool_stat provisioned_in_map)
 		log "blocks provisioned in map: $n of 960"
@@ -1333,6 +1361,7 @@ run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_discard_passdown test_discard_passdown
 run_test thin_scalable_passdown_failed_commit test_passdown_failed_commit
 run_test thin_scalable_zeroing_offload test_zeroing_offload
+run_test thin_scalable_zeroing_around test_zeroing_around
 run_test thin_scalable_zeroing_big_blocks test_zeroing_big_blocks
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
