@@ -1578,10 +1578,13 @@ int tsp_pool_release_data_block(struct tsp_pool_metadata *pmd, tsp_block_t b)
 /*
  * Map @virt of @td to @data at @time.  If @virt is mapped already: with
  * @overwrite the old mapping is replaced (and its block dec'ed), without
- * it nothing changes and -EEXIST is returned.
+ * it nothing changes and -EEXIST is returned.  An overwriting insert may
+ * go through @cursor, which a batch keeps from one insert to the next;
+ * NULL for none.
  */
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
-			  tsp_block_t data, u32 time, bool overwrite)
+			  tsp_block_t data, u32 time, bool overwrite,
+			  struct tsp_btree_cursor *cursor)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	__le64 value = cpu_to_le64(pack_mapping(data, time));
@@ -1597,7 +1600,10 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	r = __device_root_for_update(td, &old);
 	if (r)
 		return r;
-	if (overwrite)
+	if (cursor)
+		r = tsp_btree_insert_at(cursor, old, virt, &value, &root,
+					&inserted);
+	else if (overwrite)
 		r = tsp_btree_insert(&pmd->bl_info, old, virt, &value, &root,
 				     &inserted);
 	else
@@ -1625,7 +1631,8 @@ int tsp_thin_insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 
 	if (r)
 		return r;
-	return end_update(pmd, __insert_block(td, virt, data, pmd->time, true));
+	return end_update(pmd, __insert_block(td, virt, data, pmd->time, true,
+						 NULL));
 }
 
 /* Allocating a data block would leave more than @keep_free free. */
@@ -1661,7 +1668,7 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	r = tsp_data_sm_reserve(pmd->data_sm, data, &bitmap);
 	if (r)
 		return r == -ENOSPC ? -EWOULDBLOCK : r;
-	r = __insert_block(td, virt, *data, pmd->time, false);
+	r = __insert_block(td, virt, *data, pmd->time, false, NULL);
 	tsp_data_sm_reserve_end(pmd->data_sm, *data, bitmap, !r);
 	return r;
 }
@@ -1721,7 +1728,8 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
 	if (r == -ENOSPC)
 		r = -EWOULDBLOCK;
 	if (!r) {
-		r = __insert_block(td, virt, result->block, pmd->time, false);
+		r = __insert_block(td, virt, result->block, pmd->time,
+				   false, NULL);
 		/* Found unmapped a moment ago: the tree contradicts itself. */
 		if (r == -EEXIST)
 			r = -EILSEQ;
@@ -1783,7 +1791,9 @@ int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
  *
  * Does what tsp_thin_insert_block() does for each mapping, in list order,
  * under one acquisition of @root_lock, so that a worker finishing many
- * provisions takes the lock once.  Stops at the first failure, which
+ * provisions takes the lock once; consecutive mappings of nearby blocks
+ * of one device go into their leaf with one walk down the tree (a btree
+ * cursor), not one walk each.  Stops at the first failure, which
  * fails the metadata as tsp_thin_insert_block()'s would.
  *
  * Context: may sleep.
@@ -1794,6 +1804,7 @@ int tsp_pool_insert_mappings(struct tsp_pool_metadata *pmd,
 			     struct list_head *mappings,
 			     unsigned int *nr_inserted)
 {
+	struct tsp_btree_cursor cursor = TSP_BTREE_CURSOR(&pmd->bl_info);
 	struct tsp_new_mapping *m;
 	int r;
 
@@ -1804,11 +1815,13 @@ int tsp_pool_insert_mappings(struct tsp_pool_metadata *pmd,
 	if (r)
 		return r;
 	list_for_each_entry(m, mappings, list) {
-		r = __insert_block(m->td, m->virt, m->data, pmd->time, true);
+		r = __insert_block(m->td, m->virt, m->data, pmd->time, true,
+				   &cursor);
 		if (r)
 			break;
 		++*nr_inserted;
 	}
+	tsp_btree_cursor_release(&cursor);
 	if (*nr_inserted)
 		pmd->changed = true;
 	return end_update(pmd, r);
@@ -2126,7 +2139,7 @@ int tsp_thin_restore_block(struct tsp_thin_device *td, tsp_block_t virt,
 	if (r == -ENODATA && data < tsp_data_sm_nr_blocks(pmd->data_sm))
 		r = tsp_data_sm_inc(pmd->data_sm, data);
 	if (!r)
-		r = __insert_block(td, virt, data, time, true);
+		r = __insert_block(td, virt, data, time, true, NULL);
 out:
 	return end_update(pmd, r);
 }

@@ -34,6 +34,12 @@
  * leaf.  Deleting a reference to a node that drops it to zero deletes the
  * node's own references in turn.
  *
+ * Batches: a cursor (tsp_btree_insert_at()) keeps the leaf of its last
+ * insert write locked, with the range of keys the walk down routed to
+ * it; a later insert into that tree of a key in the range goes straight
+ * into the leaf while it has room.  Inserts of nearby keys, such as a
+ * batch of new mappings, walk down from the root once per leaf.
+ *
  * Locking: none; the caller serialises all access to a transaction.
  * Every function may sleep.
  */
@@ -603,15 +609,20 @@ static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
  * tsp_btree_insert() and tsp_btree_insert_new().  *@new_root is set once
  * the root is shadowed (and split if it was full), so on -EEXIST too.
  *
+ * With @cursor (which holds no leaf), the leaf is left write locked in it
+ * after a successful insert, with the keys the walk routed to it.
+ *
  * Cost: shadows one node per level, plus, per full node on the way
  * down, a sibling shadowed or a new node for a split.
  */
 static int __insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 		    const void *value, bool overwrite, tsp_block_t *new_root,
-		    bool *inserted)
+		    bool *inserted, struct tsp_btree_cursor *cursor)
 {
 	struct tsp_block *blk, *child;
 	struct btree_node *n;
+	/* The keys every node so far routes to the current one. */
+	u64 lo = 0, hi = U64_MAX;
 	int depth, r;
 	int i;
 
@@ -658,7 +669,12 @@ static int __insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 			r = make_room(info, n, i, key, &child);
 			if (r)
 				goto out;
+			/* @key may now belong in a sibling. */
+			i = child_index(n, key);
 		}
+		lo = max(lo, key_at(n, i));
+		if ((u32)i + 1 < nr_entries(n))
+			hi = min(hi, key_at(n, i + 1));
 
 		tsp_tm_unlock(info->tm, blk);
 		blk = child;
@@ -666,6 +682,13 @@ static int __insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 	}
 
 	r = insert_into_leaf(info, n, key, value, overwrite, inserted);
+	if (!r && cursor) {
+		cursor->leaf = blk;
+		cursor->root = *new_root;
+		cursor->lo = lo;
+		cursor->hi = hi;
+		return 0;
+	}
 out:
 	tsp_tm_unlock(info->tm, blk);
 	return r;
@@ -686,7 +709,52 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 	bool dummy;
 
 	return __insert(info, root, key, value, true, new_root,
-			inserted ? inserted : &dummy);
+			inserted ? inserted : &dummy, NULL);
+}
+
+/**
+ * tsp_btree_cursor_release - unlock a cursor's leaf, if it holds one
+ * @cursor: the cursor
+ */
+void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor)
+{
+	if (cursor->leaf) {
+		tsp_tm_unlock(cursor->info->tm, cursor->leaf);
+		cursor->leaf = NULL;
+	}
+}
+
+/**
+ * tsp_btree_insert_at - tsp_btree_insert() through a cursor; see btree.h
+ * @cursor: the cursor
+ * @root: current root
+ * @key: key
+ * @value: the value (the tree takes over the caller's reference)
+ * @new_root: out, the root afterwards
+ * @inserted: out, false when an old value was overwritten
+ *
+ * The walk's bounds are those of the separator keys above the leaf, so a
+ * key within them belongs in the leaf and inserting it changes no node
+ * above.  A full leaf is left to a walk, which makes room.
+ */
+int tsp_btree_insert_at(struct tsp_btree_cursor *cursor, tsp_block_t root,
+			u64 key, const void *value, tsp_block_t *new_root,
+			bool *inserted)
+{
+	struct btree_node *leaf;
+
+	if (cursor->leaf && root == cursor->root &&
+	    key >= cursor->lo && key < cursor->hi) {
+		leaf = node_of(cursor->leaf);
+		if (nr_entries(leaf) < max_entries(leaf)) {
+			*new_root = root;
+			return insert_into_leaf(cursor->info, leaf, key, value,
+						true, inserted);
+		}
+	}
+	tsp_btree_cursor_release(cursor);
+	return __insert(cursor->info, root, key, value, true, new_root,
+			inserted, cursor);
 }
 
 /**
@@ -702,7 +770,8 @@ int tsp_btree_insert_new(struct tsp_btree_info *info, tsp_block_t root,
 {
 	bool inserted;
 
-	return __insert(info, root, key, value, false, new_root, &inserted);
+	return __insert(info, root, key, value, false, new_root, &inserted,
+			NULL);
 }
 
 /*

@@ -79,6 +79,50 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
 				  tsp_block_t *new_root, bool *inserted);
 
 /**
+ * struct tsp_btree_cursor - a leaf kept between inserts into one tree
+ * @info: tree description
+ * @leaf: the leaf of the last insert, write locked; NULL when none
+ * @root: the root the walk to @leaf returned
+ * @lo: the lowest key the tree routes to @leaf
+ * @hi: the key past the highest one it routes there (U64_MAX: none; that
+ *	key itself always takes a walk)
+ *
+ * Start with TSP_BTREE_CURSOR(info); release before anything else
+ * touches the tree: another update (a walk would wait for the leaf's
+ * lock) or a commit.
+ */
+struct tsp_btree_cursor {
+	struct tsp_btree_info *info;
+	struct tsp_block *leaf;
+	tsp_block_t root;
+	u64 lo, hi;
+};
+
+#define TSP_BTREE_CURSOR(i) ((struct tsp_btree_cursor){ .info = (i) })
+
+/**
+ * tsp_btree_insert_at - tsp_btree_insert() through a cursor
+ * @cursor: the cursor; its tree is @cursor->info's
+ * @root: current root
+ * @key: key
+ * @value: the new value; the tree takes over the caller's reference
+ * @new_root: out, the root after the insert
+ * @inserted: out, false when an old value was overwritten
+ *
+ * When @root is the cursor's and @key falls in its leaf's range, with
+ * room in the leaf, @key goes straight into the leaf; otherwise this
+ * walks down from @root as tsp_btree_insert() does and keeps the new
+ * leaf.  Release the cursor after the last insert, failed or not.
+ */
+int __must_check tsp_btree_insert_at(struct tsp_btree_cursor *cursor,
+				     tsp_block_t root, u64 key,
+				     const void *value, tsp_block_t *new_root,
+				     bool *inserted);
+
+/* Unlock the cursor's leaf, if any; the cursor may be used again. */
+void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor);
+
+/**
  * tsp_btree_insert_new - insert, unless the key is present
  * @info: tree description
  * @root: current root

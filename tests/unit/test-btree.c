@@ -863,7 +863,9 @@ static int tree_depth(struct ctx *c, tsp_block_t root)
 /* Operations on tree and model                                        */
 /* ------------------------------------------------------------------ */
 
-static int op_insert(struct ctx *c, struct tree *t, u32 i, u32 id)
+/* tsp_btree_insert(), or with @cursor tsp_btree_insert_at(). */
+static int op_insert_at(struct ctx *c, struct tsp_btree_cursor *cursor,
+			struct tree *t, u32 i, u32 id)
 {
 	u8 v[MAX_VSIZE];
 	tsp_block_t root;
@@ -873,13 +875,23 @@ static int op_insert(struct ctx *c, struct tree *t, u32 i, u32 id)
 	make_value(v, id, c->vc.size);
 	if (c->vc.counted)
 		c->vc.refs[id]++;	/* the caller's reference, for the tree */
-	r = tsp_btree_insert(&c->info, t->root, key_of(i), v, &root, &inserted);
+	if (cursor)
+		r = tsp_btree_insert_at(cursor, t->root, key_of(i), v, &root,
+					&inserted);
+	else
+		r = tsp_btree_insert(&c->info, t->root, key_of(i), v, &root,
+				     &inserted);
 	if (r)
 		return r;
 	CHECK(inserted == !model_has(&t->m, i));
 	model_set(&t->m, i, id);
 	t->root = root;
 	return 0;
+}
+
+static int op_insert(struct ctx *c, struct tree *t, u32 i, u32 id)
+{
+	return op_insert_at(c, NULL, t, i, id);
 }
 
 /* tsp_btree_insert_new(): inserts a new key, leaves a present one alone. */
@@ -1266,6 +1278,87 @@ static void test_density(const struct vt_config *vt, enum order order)
 	ctx_destroy(c);
 	printf("ok   %s (%u keys in %u leaves of %u: %.1f per leaf)\n", name,
 	       n, lc.leaves, lc.max_entries, (double)n / lc.leaves);
+}
+
+/*
+ * Inserts through a cursor (tsp_btree_insert_at()).  Ascending keys must
+ * pack leaves as plain inserts do.  Then runs of nearby keys, up or down,
+ * with jumps, into a tree, its snapshot and a third tree, switching trees
+ * within a run and inserting into the other trees plainly while the
+ * cursor holds a leaf: the cursor meets other roots, full and shared
+ * leaves, the edges of its range and the top key (U64_MAX, never within
+ * a range); the trees must hold what the model says, with every
+ * reference counted.
+ */
+static void test_cursor(const struct vt_config *vt)
+{
+	u32 n = quick ? 20000 : 80000, nr_runs = quick ? 300 : 1500;
+	struct ctx *c = ctx_create(16384, vt->size, vt->counted);
+	struct tsp_btree_cursor cursor = TSP_BTREE_CURSOR(&c->info);
+	struct leaf_count lc = { .c = c };
+	struct tree *t = c->t;
+	u32 k, j, run, slot = 0, step;
+	unsigned int ti = 0;
+	bool down;
+	char name[128];
+
+	snprintf(name, sizeof(name), "cursor %s", vt->name);
+	phase = name;
+	key_stride = 1;
+
+	new_tree(c, &t[0]);
+	for (k = 0; k < n; k++) {
+		CHECK_R(op_insert_at(c, &cursor, &t[0], k, k % NV), 0);
+		if ((k + 1) % 10000 == 0) {
+			tsp_btree_cursor_release(&cursor);
+			commit(c);
+		}
+	}
+	tsp_btree_cursor_release(&cursor);
+	verify(c);
+	CHECK_R(tsp_btree_check(&c->info, t[0].root, count_leaf, NULL, &lc), 0);
+	CHECK(lc.leaves <= DIV_ROUND_UP(n, lc.max_entries) + 2);
+	commit(c);
+
+	snap_tree(c, &t[1], &t[0]);
+	new_tree(c, &t[2]);
+	for (k = 0; k < nr_runs; k++) {
+		if (chance(30))
+			ti = (unsigned int)rnd_below(3);
+		if (chance(20))
+			slot = (u32)rnd_below(U);
+		run = 1 + (u32)rnd_below(300);
+		step = 1 + (u32)rnd_below(3);
+		down = chance(25);
+		for (j = 0; j < run; j++) {
+			if (chance(1))
+				slot = U - 1;
+			CHECK_R(op_insert_at(c, &cursor, &t[ti], slot,
+					     (u32)rnd_below(NV)), 0);
+			slot = down ? (slot + U - step) % U : (slot + step) % U;
+			/* Not the cursor's tree, t[ti]. */
+			if (chance(2))
+				CHECK_R(op_insert(c, &t[(ti + 1) % 3],
+						  (u32)rnd_below(U),
+						  (u32)rnd_below(NV)), 0);
+			if (chance(2))
+				ti = (unsigned int)rnd_below(3);
+		}
+		tsp_btree_cursor_release(&cursor);
+		if (k % 50 == 0)
+			verify(c);
+		if (k % 200 == 0)
+			commit(c);
+	}
+	verify(c);
+	for (k = 0; k < 3; k++)
+		del_tree(c, &t[k]);
+	check_all_freed(c);
+	commit(c);
+
+	ctx_destroy(c);
+	printf("ok   %s (%u keys in %u leaves of %u, then %u runs)\n", name,
+	       n, lc.leaves, lc.max_entries, nr_runs);
 }
 
 /*
@@ -1767,6 +1860,8 @@ int main(int argc, char **argv)
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		for (o = SEQUENTIAL; o <= RANDOM; o++)
 			test_density(&vts[v], o);
+	for (v = 0; v < ARRAY_SIZE(vts); v++)
+		test_cursor(&vts[v]);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		test_shared(&vts[v]);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
