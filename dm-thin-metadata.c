@@ -1578,9 +1578,9 @@ int tsp_pool_release_data_block(struct tsp_pool_metadata *pmd, tsp_block_t b)
 /*
  * Map @virt of @td to @data at @time.  If @virt is mapped already: with
  * @overwrite the old mapping is replaced (and its block dec'ed), without
- * it nothing changes and -EEXIST is returned.  An overwriting insert may
- * go through @cursor, which a batch keeps from one insert to the next;
- * NULL for none.
+ * it nothing changes and -EEXIST is returned.  An overwriting insert goes
+ * through @cursor, which a batch keeps from one insert to the next, if
+ * not NULL.
  */
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 			  tsp_block_t data, u32 time, bool overwrite,
@@ -1600,7 +1600,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	r = __device_root_for_update(td, &old);
 	if (r)
 		return r;
-	if (cursor)
+	if (overwrite && cursor)
 		r = tsp_btree_insert_at(cursor, old, virt, &value, &root,
 					&inserted);
 	else if (overwrite)

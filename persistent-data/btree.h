@@ -83,13 +83,17 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
  * @info: tree description
  * @leaf: the leaf of the last insert, write locked; NULL when none
  * @root: the root the walk to @leaf returned
- * @lo: the lowest key the tree routes to @leaf
- * @hi: the key past the highest one it routes there (U64_MAX: none; that
- *	key itself always takes a walk)
+ * @lo: the highest separator key on the way down to @leaf: the keys from
+ *	@lo up to @hi belong in @leaf; lower ones take a walk
+ * @hi: the lowest separator key past @leaf on the way down, or U64_MAX
+ *	(that key itself always takes a walk)
  *
- * Start with TSP_BTREE_CURSOR(info); release before anything else
- * touches the tree: another update (a walk would wait for the leaf's
- * lock) or a commit.
+ * Start with TSP_BTREE_CURSOR(info).  Release it before anything else
+ * updates the cursor's tree or shares it (a snapshot: the leaf would be
+ * changed in place under both), and before a commit: a walk that
+ * reached the locked leaf would fail (-EILSEQ, the block manager takes
+ * it for a cycle in the tree).  Other trees may change meanwhile: none
+ * of them shares the nodes of the walk to @leaf.
  */
 struct tsp_btree_cursor {
 	struct tsp_btree_info *info;
@@ -98,7 +102,8 @@ struct tsp_btree_cursor {
 	u64 lo, hi;
 };
 
-#define TSP_BTREE_CURSOR(i) ((struct tsp_btree_cursor){ .info = (i) })
+#define TSP_BTREE_CURSOR(btree_info) \
+	((struct tsp_btree_cursor){ .info = (btree_info) })
 
 /**
  * tsp_btree_insert_at - tsp_btree_insert() through a cursor
@@ -119,7 +124,10 @@ int __must_check tsp_btree_insert_at(struct tsp_btree_cursor *cursor,
 				     const void *value, tsp_block_t *new_root,
 				     bool *inserted);
 
-/* Unlock the cursor's leaf, if any; the cursor may be used again. */
+/**
+ * tsp_btree_cursor_release - unlock the cursor's leaf, if it holds one
+ * @cursor: the cursor, which may be used again afterwards
+ */
 void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor);
 
 /**

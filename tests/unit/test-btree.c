@@ -1281,14 +1281,37 @@ static void test_density(const struct vt_config *vt, enum order order)
 }
 
 /*
- * Inserts through a cursor (tsp_btree_insert_at()).  Ascending keys must
- * pack leaves as plain inserts do.  Then runs of nearby keys, up or down,
- * with jumps, into a tree, its snapshot and a third tree, switching trees
- * within a run and inserting into the other trees plainly while the
- * cursor holds a leaf: the cursor meets other roots, full and shared
- * leaves, the edges of its range and the top key (U64_MAX, never within
- * a range); the trees must hold what the model says, with every
- * reference counted.
+ * Through @cursor: slots @mid, @mid - 2, ..., then @mid + 2, ...; @len
+ * each way.
+ */
+static void insert_around(struct ctx *c, struct tsp_btree_cursor *cursor,
+			  struct tree *t, u32 mid, u32 len)
+{
+	u32 j;
+
+	for (j = 0; j < len && 2 * j <= mid; j++)
+		CHECK_R(op_insert_at(c, cursor, t, mid - 2 * j,
+				     (u32)rnd_below(NV)), 0);
+	for (j = 1; j < len && mid + 2 * j < U - 1; j++)
+		CHECK_R(op_insert_at(c, cursor, t, mid + 2 * j,
+				     (u32)rnd_below(NV)), 0);
+}
+
+/*
+ * Inserts through a cursor (tsp_btree_insert_at()):
+ * - ascending keys pack leaves as plain inserts do;
+ * - descending keys below a deep tree's lowest one, where the cursor
+ *   holds the leftmost leaf and every key lowers the separators above;
+ * - short runs up and down from the middle of full leaves (odd slots
+ *   between even ones), where leaves are split or share with siblings;
+ * - runs of nearby keys, up or down, with jumps, into a tree, its
+ *   snapshot and a third tree, switching trees within a run, inserting
+ *   into the other trees plainly while the cursor holds a leaf, and
+ *   removing ranges between runs (so separators fall below their
+ *   child's first key): the cursor meets other roots, full and shared
+ *   leaves, the edges of its range and the top key (U64_MAX, never
+ *   within a range).
+ * The trees must hold what the model says, with every reference counted.
  */
 static void test_cursor(const struct vt_config *vt)
 {
@@ -1308,7 +1331,7 @@ static void test_cursor(const struct vt_config *vt)
 
 	new_tree(c, &t[0]);
 	for (k = 0; k < n; k++) {
-		CHECK_R(op_insert_at(c, &cursor, &t[0], k, k % NV), 0);
+		CHECK_R(op_insert_at(c, &cursor, &t[0], n / 4 + k, k % NV), 0);
 		if ((k + 1) % 10000 == 0) {
 			tsp_btree_cursor_release(&cursor);
 			commit(c);
@@ -1318,6 +1341,22 @@ static void test_cursor(const struct vt_config *vt)
 	verify(c);
 	CHECK_R(tsp_btree_check(&c->info, t[0].root, count_leaf, NULL, &lc), 0);
 	CHECK(lc.leaves <= DIV_ROUND_UP(n, lc.max_entries) + 2);
+	commit(c);
+
+	for (k = n / 4; k-- > 0;)
+		CHECK_R(op_insert_at(c, &cursor, &t[0], k, k % NV), 0);
+	tsp_btree_cursor_release(&cursor);
+	verify(c);
+
+	new_tree(c, &t[1]);
+	for (k = 0; k < n; k += 2)
+		CHECK_R(op_insert(c, &t[1], k, k % NV), 0);
+	commit(c);
+	for (k = 0; k < n / 24; k++)
+		insert_around(c, &cursor, &t[1], 2 * (u32)rnd_below(n / 2) + 1, 6);
+	tsp_btree_cursor_release(&cursor);
+	verify(c);
+	del_tree(c, &t[1]);
 	commit(c);
 
 	snap_tree(c, &t[1], &t[0]);
@@ -1345,6 +1384,12 @@ static void test_cursor(const struct vt_config *vt)
 				ti = (unsigned int)rnd_below(3);
 		}
 		tsp_btree_cursor_release(&cursor);
+		if (chance(20)) {
+			j = (u32)rnd_below(U - 1);
+			CHECK_R(op_remove_range(c, &t[rnd_below(3)], key_of(j),
+						key_of(min(j + 1 + (u32)rnd_below(600),
+							   U - 1))), 0);
+		}
 		if (k % 50 == 0)
 			verify(c);
 		if (k % 200 == 0)
