@@ -149,6 +149,15 @@ struct tsp_thin_device {
 	u64 root_gen;
 
 	/*
+	 * Parked at the leaf of the last block provisioned, so that the
+	 * next one of a device written in order goes straight into it.
+	 * Kept only while @root is valid and only provisions change the
+	 * tree: __device_root_for_update() releases it for any other
+	 * change.
+	 */
+	struct tsp_btree_cursor cursor;
+
+	/*
 	 * No virtual block at or past @mapped_end is mapped: inserts raise
 	 * it, removals leave it (an upper bound, not the highest mapping);
 	 * NO_MAPPED_END when unknown.  Read from the tree when the device
@@ -908,6 +917,7 @@ static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 		return -ENOMEM;
 	td->pmd = pmd;
 	td->id = dev;
+	td->cursor = TSP_BTREE_CURSOR(&pmd->bl_info);
 	td->open_count = 1;
 	td->mapped_blocks = d.mapped_blocks;
 	td->transaction_id = d.transaction_id;
@@ -966,6 +976,7 @@ static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 		return -ENOMEM;
 	td->pmd = pmd;
 	td->id = dev;
+	td->cursor = TSP_BTREE_CURSOR(&pmd->bl_info);
 	td->changed = true;
 	td->mapped_blocks = d->mapped_blocks;
 	td->transaction_id = d->transaction_id;
@@ -1322,17 +1333,23 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
  * the root afterwards sees it as shared and copies what it points to too.
  * Shadowing bottom-up instead would take over the root's children
  * without their gaining the references the shared parent still holds.
+ * Any change but a provision (@provision: an insert through @td's
+ * cursor) releases the cursor, as does a root no longer valid.
  */
 static int __device_root_for_update(struct tsp_thin_device *td,
-				    tsp_block_t *root)
+				    tsp_block_t *root, bool provision)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	__le64 value;
 	int r;
 
 	lockdep_assert_held_write(&pmd->root_lock);
-	if (__cached_root(td, root))
+	if (__cached_root(td, root)) {
+		if (!provision)
+			tsp_btree_cursor_release(&td->cursor);
 		return 0;
+	}
+	tsp_btree_cursor_release(&td->cursor);
 	r = __device_root(td, root);
 	if (r)
 		return r;
@@ -1597,18 +1614,23 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 		      (unsigned long long)data);
 		return -EINVAL;
 	}
-	r = __device_root_for_update(td, &old);
+	r = __device_root_for_update(td, &old, !overwrite);
 	if (r)
 		return r;
-	if (overwrite && cursor)
+	if (overwrite && cursor) {
 		r = tsp_btree_insert_at(cursor, old, virt, &value, &root,
 					&inserted);
-	else if (overwrite)
+	} else if (overwrite) {
 		r = tsp_btree_insert(&pmd->bl_info, old, virt, &value, &root,
 				     &inserted);
-	else
-		r = tsp_btree_insert_new(&pmd->bl_info, old, virt, &value,
-					 &root);
+	} else {
+		r = tsp_btree_insert_new_at(&td->cursor, old, virt, &value,
+					    &root);
+		if (!r || r == -EEXIST)
+			tsp_btree_cursor_park(&td->cursor);
+		else
+			tsp_btree_cursor_release(&td->cursor);
+	}
 	/* On -EEXIST too: the way down may have moved the root. */
 	if (!r || r == -EEXIST)
 		r = __set_device_root(td, old, root) ?: r;
@@ -1834,7 +1856,7 @@ static int __remove_range(struct tsp_thin_device *td, tsp_block_t begin,
 	u64 nr;
 	int r;
 
-	r = __device_root_for_update(td, &old);
+	r = __device_root_for_update(td, &old, false);
 	if (!r)
 		r = tsp_btree_remove_range(&td->pmd->bl_info, old, begin, end,
 					   &root, &nr);
@@ -1860,7 +1882,7 @@ int tsp_thin_remove_block(struct tsp_thin_device *td, tsp_block_t virt)
 
 	if (r)
 		return r;
-	r = __device_root_for_update(td, &old);
+	r = __device_root_for_update(td, &old, false);
 	if (!r)
 		r = tsp_btree_remove(&pmd->bl_info, old, virt, &root);
 	if (!r)

@@ -38,7 +38,9 @@
  * insert write locked, with the range of keys the walk down routed to
  * it; a later insert into that tree of a key in the range goes straight
  * into the leaf while it has room.  Inserts of nearby keys, such as a
- * batch of new mappings, walk down from the root once per leaf.
+ * batch of new mappings, walk down from the root once per leaf.  Parked
+ * between updates, a cursor keeps only the leaf's place, and locks it
+ * again (in place) for the next insert into its range.
  *
  * Locking: none; the caller serialises all access to a transaction.
  * Every function may sleep.
@@ -713,7 +715,7 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 }
 
 /**
- * tsp_btree_cursor_release - unlock a cursor's leaf, if it holds one
+ * tsp_btree_cursor_release - unlock and forget a cursor's leaf
  * @cursor: the cursor
  */
 void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor)
@@ -722,6 +724,93 @@ void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor)
 		tsp_tm_unlock(cursor->info->tm, cursor->leaf);
 		cursor->leaf = NULL;
 	}
+	cursor->parked = 0;
+}
+
+/**
+ * tsp_btree_cursor_park - unlock a cursor's leaf, keeping its place
+ * @cursor: the cursor
+ */
+void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor)
+{
+	if (cursor->leaf) {
+		cursor->parked = tsp_block_location(cursor->leaf);
+		tsp_tm_unlock(cursor->info->tm, cursor->leaf);
+		cursor->leaf = NULL;
+	}
+}
+
+/*
+ * Lock a parked cursor's leaf again.  Its owner guarantees that the tree
+ * has not changed but through the cursor, so the leaf still holds the
+ * cursor's range; the transaction manager checks that it is still a
+ * private shadow, writable in place.  Return: 0 with the leaf locked, 1
+ * when it is not (the cursor is released), or a negative errno.
+ */
+static int unpark(struct tsp_btree_cursor *cursor)
+{
+	struct tsp_block *blk;
+	int r;
+
+	r = tsp_tm_relock_shadow(cursor->info->tm, cursor->parked,
+				 &tsp_btree_node_validator, &blk);
+	cursor->parked = 0;
+	if (r)
+		return r == -ESTALE ? 1 : r;
+	if (!is_leaf(node_of(blk))) {
+		DMERR("btree cursor's leaf %llu is no longer a leaf",
+		      (unsigned long long)tsp_block_location(blk));
+		tsp_tm_unlock(cursor->info->tm, blk);
+		return -EILSEQ;
+	}
+	cursor->leaf = blk;
+	return 0;
+}
+
+/*
+ * The leaf of @cursor, locked, if @key goes into it: the walk to it
+ * started at @root and routed @key there, and it has room.  Return: 0
+ * with *@leaf set, 1 when @key takes a walk (the cursor is released), or
+ * a negative errno.
+ */
+static int cursor_leaf(struct tsp_btree_cursor *cursor, tsp_block_t root,
+		       u64 key, struct btree_node **leaf)
+{
+	int r = 1;
+
+	if (root == cursor->root && key >= cursor->lo && key < cursor->hi) {
+		r = cursor->parked ? unpark(cursor) : !cursor->leaf;
+		if (!r && nr_entries(node_of(cursor->leaf)) ==
+			   max_entries(node_of(cursor->leaf)))
+			r = 1;
+	}
+	if (r)
+		tsp_btree_cursor_release(cursor);
+	else
+		*leaf = node_of(cursor->leaf);
+	return r;
+}
+
+/*
+ * Insert @key through @cursor, or overwrite it if @overwrite (else
+ * -EEXIST): straight into the cursor's leaf when @key goes there, else
+ * by a walk down from @root, which keeps the new leaf in the cursor.
+ */
+static int insert_at(struct tsp_btree_cursor *cursor, tsp_block_t root,
+		     u64 key, const void *value, bool overwrite,
+		     tsp_block_t *new_root, bool *inserted)
+{
+	struct btree_node *leaf;
+	int r = cursor_leaf(cursor, root, key, &leaf);
+
+	if (r < 0)
+		return r;
+	if (r)
+		return __insert(cursor->info, root, key, value, overwrite,
+				new_root, inserted, cursor);
+	*new_root = root;
+	return insert_into_leaf(cursor->info, leaf, key, value, overwrite,
+				inserted);
 }
 
 /**
@@ -741,20 +830,25 @@ int tsp_btree_insert_at(struct tsp_btree_cursor *cursor, tsp_block_t root,
 			u64 key, const void *value, tsp_block_t *new_root,
 			bool *inserted)
 {
-	struct btree_node *leaf;
+	return insert_at(cursor, root, key, value, true, new_root, inserted);
+}
 
-	if (cursor->leaf && root == cursor->root &&
-	    key >= cursor->lo && key < cursor->hi) {
-		leaf = node_of(cursor->leaf);
-		if (nr_entries(leaf) < max_entries(leaf)) {
-			*new_root = root;
-			return insert_into_leaf(cursor->info, leaf, key, value,
-						true, inserted);
-		}
-	}
-	tsp_btree_cursor_release(cursor);
-	return __insert(cursor->info, root, key, value, true, new_root,
-			inserted, cursor);
+/**
+ * tsp_btree_insert_new_at - tsp_btree_insert_new() through a cursor
+ * @cursor: the cursor
+ * @root: current root
+ * @key: key
+ * @value: the value (the tree takes it over only if this returns 0)
+ * @new_root: out, the root afterwards
+ */
+int tsp_btree_insert_new_at(struct tsp_btree_cursor *cursor,
+			    tsp_block_t root, u64 key, const void *value,
+			    tsp_block_t *new_root)
+{
+	bool inserted;
+
+	return insert_at(cursor, root, key, value, false, new_root,
+			 &inserted);
 }
 
 /**

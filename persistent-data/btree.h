@@ -88,18 +88,27 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
  * @hi: the lowest separator key past @leaf on the way down, or U64_MAX
  *	(that key itself always takes a walk)
  *
+ * @parked: where the leaf is while the cursor is parked, else 0
+ *
  * Start with TSP_BTREE_CURSOR(info).  Release it before anything else
  * updates the cursor's tree or shares it (a snapshot: the leaf would be
  * changed in place under both), and before a commit: a walk that
  * reached the locked leaf would fail (-EILSEQ, the block manager takes
  * it for a cycle in the tree).  Other trees may change meanwhile: none
  * of them shares the nodes of the walk to @leaf.
+ *
+ * A cursor may instead be parked (tsp_btree_cursor_park()) between
+ * updates: it unlocks the leaf and remembers where it is, so anything
+ * may read the tree meanwhile.  The same rules hold for a parked cursor:
+ * it must be released before anything else updates its tree or shares
+ * it, and before the transaction ends.
  */
 struct tsp_btree_cursor {
 	struct tsp_btree_info *info;
 	struct tsp_block *leaf;
 	tsp_block_t root;
 	u64 lo, hi;
+	tsp_block_t parked;
 };
 
 #define TSP_BTREE_CURSOR(btree_info) \
@@ -125,10 +134,35 @@ int __must_check tsp_btree_insert_at(struct tsp_btree_cursor *cursor,
 				     bool *inserted);
 
 /**
- * tsp_btree_cursor_release - unlock the cursor's leaf, if it holds one
+ * tsp_btree_insert_new_at - tsp_btree_insert_new() through a cursor
+ * @cursor: the cursor; its tree is @cursor->info's
+ * @root: current root
+ * @key: key, which must be absent
+ * @value: the value; the tree takes it over only if this returns 0
+ * @new_root: out, the root afterwards, whether or not @key was present
+ *
+ * As tsp_btree_insert_at(), but refuses a present key (-EEXIST).
+ */
+int __must_check tsp_btree_insert_new_at(struct tsp_btree_cursor *cursor,
+					 tsp_block_t root, u64 key,
+					 const void *value,
+					 tsp_block_t *new_root);
+
+/**
+ * tsp_btree_cursor_release - unlock and forget the cursor's leaf
  * @cursor: the cursor, which may be used again afterwards
  */
 void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor);
+
+/**
+ * tsp_btree_cursor_park - unlock the cursor's leaf, but keep its place
+ * @cursor: the cursor
+ *
+ * The next insert through the cursor into the leaf locks it again for
+ * writing in place, without a walk down the tree; it falls back to a
+ * walk if the leaf is no longer this transaction's private shadow.
+ */
+void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor);
 
 /**
  * tsp_btree_insert_new - insert, unless the key is present

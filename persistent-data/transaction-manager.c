@@ -191,6 +191,15 @@ int tsp_tm_new_block(struct tsp_tm *tm, const struct tsp_block_validator *v,
 	return r;
 }
 
+/*
+ * @b, whose reference count is @count, was allocated or copied in this
+ * transaction and nothing else references it: it is written in place.
+ */
+static bool private_shadow(struct tsp_tm *tm, tsp_block_t b, u32 count)
+{
+	return count == 1 && tsp_msm_is_new(tm->sm, b);
+}
+
 /**
  * tsp_tm_shadow_block - see transaction-manager.h
  * @tm: transaction manager
@@ -215,7 +224,7 @@ int tsp_tm_shadow_block(struct tsp_tm *tm, tsp_block_t orig,
 	}
 
 	*inc_children = false;
-	if (count == 1 && tsp_msm_is_new(tm->sm, orig))
+	if (private_shadow(tm, orig, count))
 		return tm_lock(tm, orig, v, true, result);
 	if (tm->nowait)
 		return -EWOULDBLOCK;
@@ -239,6 +248,22 @@ int tsp_tm_shadow_block(struct tsp_tm *tm, tsp_block_t orig,
 	}
 	*inc_children = count > 1;
 	return 0;
+}
+
+/**
+ * tsp_tm_relock_shadow - see transaction-manager.h
+ * @tm: transaction manager
+ * @b: the block
+ * @v: its validator
+ * @result: out, @b write locked
+ */
+int tsp_tm_relock_shadow(struct tsp_tm *tm, tsp_block_t b,
+			 const struct tsp_block_validator *v,
+			 struct tsp_block **result)
+{
+	if (!private_shadow(tm, b, tsp_msm_count(tm->sm, b)))
+		return -ESTALE;
+	return tm_lock(tm, b, v, true, result);
 }
 
 int tsp_tm_read_lock(struct tsp_tm *tm, tsp_block_t b,

@@ -105,6 +105,23 @@ int __must_check tsp_tm_shadow_block(struct tsp_tm *tm, tsp_block_t orig,
 				     struct tsp_block **result,
 				     bool *inc_children);
 
+/**
+ * tsp_tm_relock_shadow - write lock, in place, a block this transaction shadowed
+ * @tm: the transaction manager
+ * @b: a block allocated or copied in this transaction, referenced once
+ * @v: validator
+ * @result: out, @b write locked
+ *
+ * For a caller that remembers where a shadow it made is: it never copies.
+ *
+ * Return: 0; -ESTALE if @b is shared or was not written in this
+ * transaction (nothing is locked); or the lock's error (-EWOULDBLOCK in
+ * no-wait mode when @b is not cached).
+ */
+int __must_check tsp_tm_relock_shadow(struct tsp_tm *tm, tsp_block_t b,
+				      const struct tsp_block_validator *v,
+				      struct tsp_block **result);
+
 int __must_check tsp_tm_read_lock(struct tsp_tm *tm, tsp_block_t b,
 				  const struct tsp_block_validator *v,
 				  struct tsp_block **result);

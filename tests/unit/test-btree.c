@@ -894,8 +894,12 @@ static int op_insert(struct ctx *c, struct tree *t, u32 i, u32 id)
 	return op_insert_at(c, NULL, t, i, id);
 }
 
-/* tsp_btree_insert_new(): inserts a new key, leaves a present one alone. */
-static int op_insert_new(struct ctx *c, struct tree *t, u32 i, u32 id)
+/*
+ * tsp_btree_insert_new(), or with @cursor tsp_btree_insert_new_at():
+ * inserts a new key, leaves a present one alone.
+ */
+static int op_insert_new_at(struct ctx *c, struct tsp_btree_cursor *cursor,
+			    struct tree *t, u32 i, u32 id)
 {
 	u8 v[MAX_VSIZE];
 	tsp_block_t root;
@@ -904,7 +908,12 @@ static int op_insert_new(struct ctx *c, struct tree *t, u32 i, u32 id)
 	make_value(v, id, c->vc.size);
 	if (c->vc.counted)
 		c->vc.refs[id]++;	/* the caller's reference, for the tree */
-	r = tsp_btree_insert_new(&c->info, t->root, key_of(i), v, &root);
+	if (cursor)
+		r = tsp_btree_insert_new_at(cursor, t->root, key_of(i), v,
+					    &root);
+	else
+		r = tsp_btree_insert_new(&c->info, t->root, key_of(i), v,
+					 &root);
 	if (r && r != -EEXIST)
 		return r;
 	/* Set on -EEXIST too: the way down may have moved the root. */
@@ -917,6 +926,11 @@ static int op_insert_new(struct ctx *c, struct tree *t, u32 i, u32 id)
 	}
 	model_set(&t->m, i, id);
 	return 0;
+}
+
+static int op_insert_new(struct ctx *c, struct tree *t, u32 i, u32 id)
+{
+	return op_insert_new_at(c, NULL, t, i, id);
 }
 
 static int op_remove(struct ctx *c, struct tree *t, u32 i)
@@ -1280,6 +1294,45 @@ static void test_density(const struct vt_config *vt, enum order order)
 	       n, lc.leaves, lc.max_entries, (double)n / lc.leaves);
 }
 
+/* A run of nearby key slots: how many, how far apart, which way. */
+struct key_run {
+	u32 len, step;
+	bool down;
+};
+
+/* Start a run, maybe in another of three trees (*@ti) or elsewhere. */
+static void start_run(struct key_run *run, unsigned int *ti, u32 *slot)
+{
+	if (chance(30))
+		*ti = (unsigned int)rnd_below(3);
+	if (chance(20))
+		*slot = (u32)rnd_below(U);
+	run->len = 1 + (u32)rnd_below(300);
+	run->step = 1 + (u32)rnd_below(3);
+	run->down = chance(25);
+}
+
+static u32 run_next(const struct key_run *run, u32 slot)
+{
+	return run->down ? (slot + U - run->step) % U : (slot + run->step) % U;
+}
+
+/* Sometimes remove a range of up to 600 keys from one of three trees. */
+static void maybe_remove_range(struct ctx *c, struct tsp_btree_cursor *cursors)
+{
+	unsigned int o = (unsigned int)rnd_below(3);
+	u32 j;
+
+	if (!chance(20))
+		return;
+	/* The tree's cursor is released first, as for any other update. */
+	if (cursors)
+		tsp_btree_cursor_release(&cursors[o]);
+	j = (u32)rnd_below(U - 1);
+	CHECK_R(op_remove_range(c, &c->t[o], key_of(j),
+				key_of(min(j + 1 + (u32)rnd_below(600), U - 1))), 0);
+}
+
 /*
  * Through @cursor: slots @mid, @mid - 2, ..., then @mid + 2, ...; @len
  * each way.
@@ -1320,9 +1373,9 @@ static void test_cursor(const struct vt_config *vt)
 	struct tsp_btree_cursor cursor = TSP_BTREE_CURSOR(&c->info);
 	struct leaf_count lc = { .c = c };
 	struct tree *t = c->t;
-	u32 k, j, run, slot = 0, step;
+	struct key_run run;
+	u32 k, j, slot = 0;
 	unsigned int ti = 0;
-	bool down;
 	char name[128];
 
 	snprintf(name, sizeof(name), "cursor %s", vt->name);
@@ -1362,19 +1415,13 @@ static void test_cursor(const struct vt_config *vt)
 	snap_tree(c, &t[1], &t[0]);
 	new_tree(c, &t[2]);
 	for (k = 0; k < nr_runs; k++) {
-		if (chance(30))
-			ti = (unsigned int)rnd_below(3);
-		if (chance(20))
-			slot = (u32)rnd_below(U);
-		run = 1 + (u32)rnd_below(300);
-		step = 1 + (u32)rnd_below(3);
-		down = chance(25);
-		for (j = 0; j < run; j++) {
+		start_run(&run, &ti, &slot);
+		for (j = 0; j < run.len; j++) {
 			if (chance(1))
 				slot = U - 1;
 			CHECK_R(op_insert_at(c, &cursor, &t[ti], slot,
 					     (u32)rnd_below(NV)), 0);
-			slot = down ? (slot + U - step) % U : (slot + step) % U;
+			slot = run_next(&run, slot);
 			/* Not the cursor's tree, t[ti]. */
 			if (chance(2))
 				CHECK_R(op_insert(c, &t[(ti + 1) % 3],
@@ -1384,12 +1431,7 @@ static void test_cursor(const struct vt_config *vt)
 				ti = (unsigned int)rnd_below(3);
 		}
 		tsp_btree_cursor_release(&cursor);
-		if (chance(20)) {
-			j = (u32)rnd_below(U - 1);
-			CHECK_R(op_remove_range(c, &t[rnd_below(3)], key_of(j),
-						key_of(min(j + 1 + (u32)rnd_below(600),
-							   U - 1))), 0);
-		}
+		maybe_remove_range(c, NULL);
 		if (k % 50 == 0)
 			verify(c);
 		if (k % 200 == 0)
@@ -1404,6 +1446,87 @@ static void test_cursor(const struct vt_config *vt)
 	ctx_destroy(c);
 	printf("ok   %s (%u keys in %u leaves of %u, then %u runs)\n", name,
 	       n, lc.leaves, lc.max_entries, nr_runs);
+}
+
+static void release_cursors(struct tsp_btree_cursor *cursors, unsigned int nr)
+{
+	while (nr--)
+		tsp_btree_cursor_release(&cursors[nr]);
+}
+
+/*
+ * Parked cursors (tsp_btree_cursor_park()), one per tree, as the
+ * metadata keeps one per thin device: runs of nearby keys, up or down,
+ * with jumps, into a half full tree, its snapshot and a third tree, each
+ * key through its tree's cursor (tsp_btree_insert_new_at(); some are
+ * present already), the cursor parked after every insert.  Meanwhile
+ * lookups in any tree, and plain inserts and range removals in a tree
+ * whose cursor is released first, as the rule for any change the cursor
+ * does not make says.  Commits release the cursors first, but for some:
+ * a cursor parked across a commit finds its leaf committed, no longer
+ * writable in place, and walks down instead.
+ */
+static void test_parked_cursor(const struct vt_config *vt)
+{
+	u32 n = quick ? 20000 : 60000, nr_runs = quick ? 400 : 2000;
+	struct ctx *c = ctx_create(16384, vt->size, vt->counted);
+	struct tsp_btree_cursor cursors[3];
+	struct tree *t = c->t;
+	struct key_run run;
+	u32 k, j, slot = 0;
+	unsigned int ti = 0, o;
+	char name[128];
+
+	snprintf(name, sizeof(name), "parked cursor %s", vt->name);
+	phase = name;
+	key_stride = 1;
+	for (o = 0; o < ARRAY_SIZE(cursors); o++)
+		cursors[o] = TSP_BTREE_CURSOR(&c->info);
+
+	new_tree(c, &t[0]);
+	for (k = 0; k < n; k++)
+		CHECK_R(op_insert(c, &t[0], (u32)rnd_below(U), k % NV), 0);
+	commit(c);
+	snap_tree(c, &t[1], &t[0]);
+	new_tree(c, &t[2]);
+
+	for (k = 0; k < nr_runs; k++) {
+		start_run(&run, &ti, &slot);
+		for (j = 0; j < run.len; j++) {
+			CHECK_R(op_insert_new_at(c, &cursors[ti], &t[ti], slot,
+						 (u32)rnd_below(NV)), 0);
+			tsp_btree_cursor_park(&cursors[ti]);
+			slot = run_next(&run, slot);
+			if (chance(5))
+				CHECK_R(op_lookup(c, &t[rnd_below(3)],
+						  key_of((u32)rnd_below(U))), 0);
+			if (chance(2)) {
+				o = (ti + 1 + (unsigned int)rnd_below(2)) % 3;
+				tsp_btree_cursor_release(&cursors[o]);
+				CHECK_R(op_insert(c, &t[o], (u32)rnd_below(U),
+						  (u32)rnd_below(NV)), 0);
+			}
+			if (chance(2))
+				ti = (unsigned int)rnd_below(3);
+		}
+		maybe_remove_range(c, cursors);
+		if (k % 50 == 0)
+			verify(c);
+		if (k % 100 == 0) {
+			if (chance(50))
+				release_cursors(cursors, ARRAY_SIZE(cursors));
+			commit(c);
+		}
+	}
+	release_cursors(cursors, ARRAY_SIZE(cursors));
+	verify(c);
+	for (k = 0; k < 3; k++)
+		del_tree(c, &t[k]);
+	check_all_freed(c);
+	commit(c);
+
+	ctx_destroy(c);
+	printf("ok   %s (%u runs)\n", name, nr_runs);
 }
 
 /*
@@ -1907,6 +2030,8 @@ int main(int argc, char **argv)
 			test_density(&vts[v], o);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		test_cursor(&vts[v]);
+	for (v = 0; v < ARRAY_SIZE(vts); v++)
+		test_parked_cursor(&vts[v]);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		test_shared(&vts[v]);
 	for (v = 0; v < ARRAY_SIZE(vts); v++)

@@ -764,6 +764,19 @@ static void pool_destroy(struct pool *p)
 	unlink(p->path);
 }
 
+/* pool_destroy(), checking the metadata with thin_check (if installed). */
+static void pool_destroy_checked(struct pool *p)
+{
+	char cmd[320];
+
+	CHECK_R(tsp_pool_metadata_close(p->pmd), 0);
+	tsp_bdev_close(p->bdev);
+	snprintf(cmd, sizeof(cmd),
+		 "! command -v thin_check >/dev/null || thin_check -q %s", p->path);
+	CHECK_R(system(cmd), 0);
+	unlink(p->path);
+}
+
 static int fast(struct tsp_thin_device *td, tsp_block_t virt,
 		struct tsp_thin_lookup_result *res)
 {
@@ -1086,7 +1099,6 @@ static void test_provision_nowait(void)
 	unsigned int ok = 0, refused = 0, random_ok = 0, mapped_seen = 0, i;
 	struct tsp_thin_device *td, *snap;
 	tsp_block_t b, v, mapped, free_before;
-	char cmd[320];
 	struct pool p;
 	int r;
 
@@ -1223,15 +1235,127 @@ static void test_provision_nowait(void)
 	if (snap)
 		tsp_pool_close_thin_device(snap);
 	tsp_pool_close_thin_device(td);
-	CHECK_R(tsp_pool_metadata_close(p.pmd), 0);
-	tsp_bdev_close(p.bdev);
-	snprintf(cmd, sizeof(cmd),
-		 "! command -v thin_check >/dev/null || thin_check -q %s", p.path);
-	CHECK_R(system(cmd), 0);
-	unlink(p.path);
+	pool_destroy_checked(&p);
 	check_no_leaks();
 	printf("ok   %s (%u of the next 4899 provisions refused, %u random ones done, %u found mapped)\n",
 	       phase, refused, random_ok, mapped_seen);
+}
+
+#define PC_VIRTS 8000
+
+/* Provision @virt as the map path does, or else as the worker does. */
+static tsp_block_t provision_any(struct tsp_thin_device *td, tsp_block_t virt)
+{
+	struct tsp_thin_lookup_result res;
+	tsp_block_t b;
+	int r = tsp_thin_provision_nowait(td, virt, 0, &b);
+
+	if (r == -EWOULDBLOCK) {
+		r = tsp_thin_provision(td, virt, 0, &res);
+		b = res.block;
+	}
+	CHECK_R(r, 0);
+	return b;
+}
+
+/* Provision [@begin, @end) of @td in order, into @model (block + 1). */
+static void provision_run(struct tsp_thin_device *td, tsp_block_t *model,
+			  tsp_block_t begin, tsp_block_t end)
+{
+	for (; begin < end; begin++)
+		model[begin] = provision_any(td, begin) + 1;
+}
+
+/* Each device maps what its model says, and nothing else. */
+static void check_models(struct tsp_thin_device **tds,
+			 tsp_block_t (*models)[PC_VIRTS], unsigned int nr)
+{
+	struct tsp_thin_lookup_result res;
+	tsp_block_t v;
+	unsigned int d;
+	int r;
+
+	for (d = 0; d < nr; d++) {
+		for (v = 0; v < PC_VIRTS; v++) {
+			r = tsp_thin_find_block(tds[d], v, &res);
+			if (!models[d][v]) {
+				CHECK_R(r, -ENODATA);
+				continue;
+			}
+			CHECK_R(r, 0);
+			CHECK_R(res.block, models[d][v] - 1);
+		}
+	}
+}
+
+/*
+ * A device's provisions in order go straight into the leaf of the last
+ * one (its btree cursor).  Anything else that changes the device's tree,
+ * shares it or ends the transaction must make the next provision walk
+ * down the tree again.  Runs of provisions in order, each after one of:
+ * a snapshot in the same transaction (whose mappings must not change),
+ * inserts of the next keys that split the leaf (the run's next key then
+ * belongs in the new one), a range removal that frees the leaf followed
+ * by the snapshot's provisions (which may reuse its block), a commit;
+ * and on a new device, inserts that split the root leaf.  Both devices must map what their models
+ * say; then tsp_pool_check() and thin_check (if installed).
+ */
+static void test_provision_cursor(void)
+{
+	static tsp_block_t models[2][PC_VIRTS];
+	struct tsp_thin_device *tds[2];
+	tsp_block_t v;
+	struct pool p;
+
+	phase = "provision_cursor";
+	pool_create(&p);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 1), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &tds[0]), 0);
+	provision_run(tds[0], models[0], 0, 1000);
+
+	CHECK_R(tsp_pool_create_snap(p.pmd, 2, 1), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 2, &tds[1]), 0);
+	memcpy(models[1], models[0], sizeof(models[0]));
+	provision_run(tds[0], models[0], 1000, 2000);
+	check_models(tds, models, 2);
+
+	provision_run(tds[0], models[0], 2000, 2100);
+	for (v = 2100; v < 2400; v++)
+		models[0][v] = provision_blocking(p.pmd, tds[0], v) + 1;
+	provision_run(tds[0], models[0], 2400, 2500);
+	check_models(tds, models, 2);
+
+	/* The leaf freed here may come back as one of the snapshot's. */
+	provision_run(tds[0], models[0], 3000, 3100);
+	CHECK_R(tsp_thin_remove_range(tds[0], 2000, 3100), 0);
+	memset(&models[0][2000], 0, 1100 * sizeof(models[0][0]));
+	provision_run(tds[1], models[1], 2000, 2100);
+	provision_run(tds[0], models[0], 3100, 3200);
+	check_models(tds, models, 2);
+
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	provision_run(tds[0], models[0], 3200, 3300);
+	provision_run(tds[1], models[1], 3200, 3300);
+	check_models(tds, models, 2);
+
+	/* A leaf that is the root becomes an internal node when it splits. */
+	tsp_pool_close_thin_device(tds[1]);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 3), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 3, &tds[1]), 0);
+	memset(models[1], 0, sizeof(models[1]));
+	provision_run(tds[1], models[1], 0, 100);
+	for (v = 100; v < 400; v++)
+		models[1][v] = provision_blocking(p.pmd, tds[1], v) + 1;
+	provision_run(tds[1], models[1], 400, 500);
+	check_models(tds, models, 2);
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	CHECK_R(tsp_pool_check(p.pmd), 0);
+
+	tsp_pool_close_thin_device(tds[1]);
+	tsp_pool_close_thin_device(tds[0]);
+	pool_destroy_checked(&p);
+	check_no_leaks();
+	printf("ok   %s\n", phase);
 }
 
 /*
@@ -1363,6 +1487,7 @@ int main(int argc, char **argv)
 	test_metadata();
 	test_hold_freed();
 	test_provision_nowait();
+	test_provision_cursor();
 	test_metadata_concurrent();
 	tsp_user_rcu_unregister_thread();
 	return 0;
