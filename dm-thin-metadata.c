@@ -118,8 +118,9 @@ struct tsp_pool_metadata {
 	struct tsp_thin_device *devices;	/* opened or changed */
 	/*
 	 * Bumped by every change that may move a device's mapping tree
-	 * root other than that device's own mapping updates: it makes the
-	 * roots open devices remember (struct tsp_thin_device) stale.
+	 * root other than that device's own mapping updates, and by every
+	 * commit and abort: it makes the roots open devices remember
+	 * (struct tsp_thin_device) stale, and releases their cursors.
 	 */
 	u64 roots_gen;
 	bool changed;		/* anything since the last commit */
@@ -1003,7 +1004,15 @@ static int __check_new_id(struct tsp_pool_metadata *pmd, tsp_thin_id dev)
 		DMERR("device id %llu is already in use", (unsigned long long)dev);
 		return -EEXIST;
 	}
-	return r == -ENODATA ? 0 : r;
+	if (r != -ENODATA)
+		return r;
+	/* A handle from before an abort that undid the device's creation. */
+	if (find_open(pmd, dev)) {
+		DMERR("device id %llu is still open from before an abort",
+		      (unsigned long long)dev);
+		return -EBUSY;
+	}
+	return 0;
 }
 
 static int __create_thin(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
@@ -1597,7 +1606,8 @@ int tsp_pool_release_data_block(struct tsp_pool_metadata *pmd, tsp_block_t b)
  * @overwrite the old mapping is replaced (and its block dec'ed), without
  * it nothing changes and -EEXIST is returned.  An overwriting insert goes
  * through @cursor, which a batch keeps from one insert to the next, if
- * not NULL.
+ * not NULL; one that must not overwrite (a provision) goes through
+ * @td's own cursor, parked between provisions.
  */
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 			  tsp_block_t data, u32 time, bool overwrite,
@@ -1669,7 +1679,8 @@ static bool __may_allocate(struct tsp_pool_metadata *pmd, tsp_block_t keep_free)
  * Allocate a data block and map @virt to it, unless @virt is mapped
  * (-EEXIST), or no more than @keep_free blocks would be left free
  * (-EWOULDBLOCK; also when the space map would have to recount, which
- * tsp_pool_alloc_data_block() does), in one walk of the mapping tree;
+ * tsp_pool_alloc_data_block() does), in at most one walk of the mapping
+ * tree;
  * for the transaction manager's no-wait mode only.  The block is only
  * reserved while the mapping is inserted, so that an insert refused for
  * want of IO, or because @virt is mapped, leaves the space map as it was.
@@ -1767,7 +1778,8 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
  * @data: out, on success only: the data block @virt is now mapped to
  *	(reference count 1)
  *
- * Maps @virt in one walk of the mapping tree, for the map path: a bio
+ * Maps @virt in at most one walk of the mapping tree (none when @virt
+ * goes into the leaf of @td's last provision), for the map path: a bio
  * that metadata IO issued there would not start before the map function
  * returned.  It takes @root_lock only if no one holds it, and runs the
  * transaction manager in no-wait mode: the update is refused if it needs

@@ -745,7 +745,7 @@ void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor)
  * has not changed but through the cursor, so the leaf still holds the
  * cursor's range; the transaction manager checks that it is still a
  * private shadow, writable in place.  Return: 0 with the leaf locked, 1
- * when it is not (the cursor is released), or a negative errno.
+ * when it is not (a commit came in between), or a negative errno.
  */
 static int unpark(struct tsp_btree_cursor *cursor)
 {
@@ -762,6 +762,11 @@ static int unpark(struct tsp_btree_cursor *cursor)
 		      (unsigned long long)tsp_block_location(blk));
 		tsp_tm_unlock(cursor->info->tm, blk);
 		return -EILSEQ;
+	}
+	r = check_value_size(cursor->info, blk);
+	if (r) {
+		tsp_tm_unlock(cursor->info->tm, blk);
+		return r;
 	}
 	cursor->leaf = blk;
 	return 0;
@@ -809,6 +814,7 @@ static int insert_at(struct tsp_btree_cursor *cursor, tsp_block_t root,
 		return __insert(cursor->info, root, key, value, overwrite,
 				new_root, inserted, cursor);
 	*new_root = root;
+	cursor->hits++;
 	return insert_into_leaf(cursor->info, leaf, key, value, overwrite,
 				inserted);
 }

@@ -81,14 +81,15 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
 /**
  * struct tsp_btree_cursor - a leaf kept between inserts into one tree
  * @info: tree description
- * @leaf: the leaf of the last insert, write locked; NULL when none
+ * @leaf: the leaf of the last insert, write locked; NULL when none, or
+ *	while the cursor is parked
  * @root: the root the walk to @leaf returned
  * @lo: the highest separator key on the way down to @leaf: the keys from
  *	@lo up to @hi belong in @leaf; lower ones take a walk
  * @hi: the lowest separator key past @leaf on the way down, or U64_MAX
  *	(that key itself always takes a walk)
- *
  * @parked: where the leaf is while the cursor is parked, else 0
+ * @hits: inserts that went straight into the leaf, without a walk
  *
  * Start with TSP_BTREE_CURSOR(info).  Release it before anything else
  * updates the cursor's tree or shares it (a snapshot: the leaf would be
@@ -99,9 +100,12 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
  *
  * A cursor may instead be parked (tsp_btree_cursor_park()) between
  * updates: it unlocks the leaf and remembers where it is, so anything
- * may read the tree meanwhile.  The same rules hold for a parked cursor:
- * it must be released before anything else updates its tree or shares
- * it, and before the transaction ends.
+ * may read the tree meanwhile.  A parked cursor too must be released
+ * before anything else updates its tree or shares it: the next insert
+ * checks only that the leaf itself is still private to this transaction
+ * (tsp_tm_relock_shadow()), not what points to it, nor whether its
+ * block was freed and used again.  Parked across the end of its
+ * transaction, it finds the leaf committed and walks down instead.
  */
 struct tsp_btree_cursor {
 	struct tsp_btree_info *info;
@@ -109,6 +113,7 @@ struct tsp_btree_cursor {
 	tsp_block_t root;
 	u64 lo, hi;
 	tsp_block_t parked;
+	u64 hits;
 };
 
 #define TSP_BTREE_CURSOR(btree_info) \
@@ -159,8 +164,9 @@ void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor);
  * @cursor: the cursor
  *
  * The next insert through the cursor into the leaf locks it again for
- * writing in place, without a walk down the tree; it falls back to a
- * walk if the leaf is no longer this transaction's private shadow.
+ * writing in place, without a walk down the tree; it walks down instead
+ * if the leaf was committed meanwhile.  See struct tsp_btree_cursor for
+ * what the owner must release it for.
  */
 void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor);
 

@@ -106,7 +106,7 @@ int __must_check tsp_tm_shadow_block(struct tsp_tm *tm, tsp_block_t orig,
 				     bool *inc_children);
 
 /**
- * tsp_tm_relock_shadow - write lock, in place, a block this transaction shadowed
+ * tsp_tm_relock_shadow - write lock a block this transaction shadowed, in place
  * @tm: the transaction manager
  * @b: a block allocated or copied in this transaction, referenced once
  * @v: validator

@@ -1394,6 +1394,8 @@ static void test_cursor(const struct vt_config *vt)
 	verify(c);
 	CHECK_R(tsp_btree_check(&c->info, t[0].root, count_leaf, NULL, &lc), 0);
 	CHECK(lc.leaves <= DIV_ROUND_UP(n, lc.max_entries) + 2);
+	/* A walk per leaf and per commit; the rest straight into the leaf. */
+	CHECK(cursor.hits >= n - 2 * lc.leaves - n / 10000);
 	commit(c);
 
 	for (k = n / 4; k-- > 0;)
@@ -1475,6 +1477,7 @@ static void test_parked_cursor(const struct vt_config *vt)
 	struct key_run run;
 	u32 k, j, slot = 0;
 	unsigned int ti = 0, o;
+	u64 hits = 0, nr_inserts = 0;
 	char name[128];
 
 	snprintf(name, sizeof(name), "parked cursor %s", vt->name);
@@ -1496,6 +1499,7 @@ static void test_parked_cursor(const struct vt_config *vt)
 			CHECK_R(op_insert_new_at(c, &cursors[ti], &t[ti], slot,
 						 (u32)rnd_below(NV)), 0);
 			tsp_btree_cursor_park(&cursors[ti]);
+			nr_inserts++;
 			slot = run_next(&run, slot);
 			if (chance(5))
 				CHECK_R(op_lookup(c, &t[rnd_below(3)],
@@ -1525,8 +1529,14 @@ static void test_parked_cursor(const struct vt_config *vt)
 	check_all_freed(c);
 	commit(c);
 
+	/* Most inserts of a run went straight into a parked cursor's leaf. */
+	for (o = 0; o < ARRAY_SIZE(cursors); o++)
+		hits += cursors[o].hits;
+	CHECK(hits > nr_inserts / 2);
 	ctx_destroy(c);
-	printf("ok   %s (%u runs)\n", name, nr_runs);
+	printf("ok   %s (%u runs, %llu of %llu inserts into a parked leaf)\n",
+	       name, nr_runs, (unsigned long long)hits,
+	       (unsigned long long)nr_inserts);
 }
 
 /*

@@ -957,7 +957,11 @@ static void test_metadata(void)
 	CHECK_R(tsp_thin_find_block(td2, 7, &res), -ENODATA);
 	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
 	CHECK_R(tsp_thin_find_block(td2, 7, &res), -ENODEV);
+	/* Not created again while that handle is open: two would share it. */
+	CHECK_R(tsp_pool_create_thin(p.pmd, 3), -EBUSY);
 	tsp_pool_close_thin_device(td2);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 3), 0);
+	CHECK_R(tsp_pool_delete_thin_device(p.pmd, 3), 0);
 
 	/* A budget of 0: nothing cached, every fast lookup misses. */
 	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, 0), 0);
@@ -1294,11 +1298,12 @@ static void check_models(struct tsp_thin_device **tds,
  * shares it or ends the transaction must make the next provision walk
  * down the tree again.  Runs of provisions in order, each after one of:
  * a snapshot in the same transaction (whose mappings must not change),
- * inserts of the next keys that split the leaf (the run's next key then
- * belongs in the new one), a range removal that frees the leaf followed
- * by the snapshot's provisions (which may reuse its block), a commit;
- * and on a new device, inserts that split the root leaf.  Both devices must map what their models
- * say; then tsp_pool_check() and thin_check (if installed).
+ * other inserts of the next keys, a range removal that frees the
+ * cursor's leaf, a commit.  On a new device, inserts that split the
+ * root leaf (which the cursor holds); on another, a range removal that
+ * moves the lower keys of the cursor's leaf to its sibling.  Every
+ * device must map what its model says; then tsp_pool_check() and
+ * thin_check (if installed).
  */
 static void test_provision_cursor(void)
 {
@@ -1325,7 +1330,7 @@ static void test_provision_cursor(void)
 	provision_run(tds[0], models[0], 2400, 2500);
 	check_models(tds, models, 2);
 
-	/* The leaf freed here may come back as one of the snapshot's. */
+	/* The removal frees the leaf. */
 	provision_run(tds[0], models[0], 3000, 3100);
 	CHECK_R(tsp_thin_remove_range(tds[0], 2000, 3100), 0);
 	memset(&models[0][2000], 0, 1100 * sizeof(models[0][0]));
@@ -1348,6 +1353,25 @@ static void test_provision_cursor(void)
 		models[1][v] = provision_blocking(p.pmd, tds[1], v) + 1;
 	provision_run(tds[1], models[1], 400, 500);
 	check_models(tds, models, 2);
+
+	/*
+	 * Even blocks in order, the last leaf (the cursor's) a little less
+	 * than full; emptying most of the leaf before it has the two even
+	 * out, which moves the cursor's leaf's lowest keys, and the odd
+	 * blocks between them, to the other.
+	 */
+	tsp_pool_close_thin_device(tds[1]);
+	CHECK_R(tsp_pool_create_thin(p.pmd, 4), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 4, &tds[1]), 0);
+	memset(models[1], 0, sizeof(models[1]));
+	for (v = 0; v < 2000; v += 2)
+		models[1][v] = provision_any(tds[1], v) + 1;
+	CHECK_R(tsp_thin_remove_range(tds[1], 1008, 1480), 0);
+	memset(&models[1][1008], 0, 472 * sizeof(models[1][0]));
+	for (v = 1513; v < 1800; v += 2)
+		models[1][v] = provision_any(tds[1], v) + 1;
+	check_models(tds, models, 2);
+
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 	CHECK_R(tsp_pool_check(p.pmd), 0);
 
