@@ -1292,6 +1292,17 @@ static void check_models(struct tsp_thin_device **tds,
 	}
 }
 
+/* Close *@td and open a new, empty device @dev in its place. */
+static void replace_device(struct tsp_pool_metadata *pmd,
+			   struct tsp_thin_device **td, tsp_block_t *model,
+			   tsp_thin_id dev)
+{
+	tsp_pool_close_thin_device(*td);
+	CHECK_R(tsp_pool_create_thin(pmd, dev), 0);
+	CHECK_R(tsp_pool_open_thin_device(pmd, dev, td), 0);
+	memset(model, 0, PC_VIRTS * sizeof(*model));
+}
+
 /*
  * A device's provisions in order go straight into the leaf of the last
  * one (its btree cursor).  Anything else that changes the device's tree,
@@ -1344,10 +1355,7 @@ static void test_provision_cursor(void)
 	check_models(tds, models, 2);
 
 	/* A leaf that is the root becomes an internal node when it splits. */
-	tsp_pool_close_thin_device(tds[1]);
-	CHECK_R(tsp_pool_create_thin(p.pmd, 3), 0);
-	CHECK_R(tsp_pool_open_thin_device(p.pmd, 3, &tds[1]), 0);
-	memset(models[1], 0, sizeof(models[1]));
+	replace_device(p.pmd, &tds[1], models[1], 3);
 	provision_run(tds[1], models[1], 0, 100);
 	for (v = 100; v < 400; v++)
 		models[1][v] = provision_blocking(p.pmd, tds[1], v) + 1;
@@ -1360,10 +1368,7 @@ static void test_provision_cursor(void)
 	 * out, which moves the cursor's leaf's lowest keys, and the odd
 	 * blocks between them, to the other.
 	 */
-	tsp_pool_close_thin_device(tds[1]);
-	CHECK_R(tsp_pool_create_thin(p.pmd, 4), 0);
-	CHECK_R(tsp_pool_open_thin_device(p.pmd, 4, &tds[1]), 0);
-	memset(models[1], 0, sizeof(models[1]));
+	replace_device(p.pmd, &tds[1], models[1], 4);
 	for (v = 0; v < 2000; v += 2)
 		models[1][v] = provision_any(tds[1], v) + 1;
 	CHECK_R(tsp_thin_remove_range(tds[1], 1008, 1480), 0);
