@@ -608,7 +608,7 @@ static int insert_into_leaf(struct tsp_btree_info *info, struct btree_node *n,
 
 /*
  * Insert @key, or overwrite it if @overwrite (else -EEXIST); see
- * tsp_btree_insert() and tsp_btree_insert_new().  *@new_root is set once
+ * tsp_btree_insert() and tsp_btree_insert_new_at().  *@new_root is set once
  * the root is shadowed (and split if it was full), so on -EEXIST too.
  *
  * With @cursor (which holds no leaf), the leaf is left write locked in it
@@ -757,13 +757,13 @@ static int unpark(struct tsp_btree_cursor *cursor)
 	cursor->parked = 0;
 	if (r)
 		return r == -ESTALE ? 1 : r;
-	if (!is_leaf(node_of(blk))) {
+	if (is_leaf(node_of(blk))) {
+		r = check_value_size(cursor->info, blk);
+	} else {
 		DMERR("btree cursor's leaf %llu is no longer a leaf",
 		      (unsigned long long)tsp_block_location(blk));
-		tsp_tm_unlock(cursor->info->tm, blk);
-		return -EILSEQ;
+		r = -EILSEQ;
 	}
-	r = check_value_size(cursor->info, blk);
 	if (r) {
 		tsp_tm_unlock(cursor->info->tm, blk);
 		return r;
@@ -840,7 +840,7 @@ int tsp_btree_insert_at(struct tsp_btree_cursor *cursor, tsp_block_t root,
 }
 
 /**
- * tsp_btree_insert_new_at - tsp_btree_insert_new() through a cursor
+ * tsp_btree_insert_new_at - insert unless present, via a cursor; see btree.h
  * @cursor: the cursor
  * @root: current root
  * @key: key
@@ -855,23 +855,6 @@ int tsp_btree_insert_new_at(struct tsp_btree_cursor *cursor,
 
 	return insert_at(cursor, root, key, value, false, new_root,
 			 &inserted);
-}
-
-/**
- * tsp_btree_insert_new - insert a key that must be absent; see btree.h
- * @info: tree description
- * @root: current root
- * @key: key
- * @value: the value (the tree takes it over only if it returns 0)
- * @new_root: out, the root afterwards, whether or not @key was present
- */
-int tsp_btree_insert_new(struct tsp_btree_info *info, tsp_block_t root,
-			 u64 key, const void *value, tsp_block_t *new_root)
-{
-	bool inserted;
-
-	return __insert(info, root, key, value, false, new_root, &inserted,
-			NULL);
 }
 
 /*

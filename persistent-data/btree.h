@@ -139,14 +139,20 @@ int __must_check tsp_btree_insert_at(struct tsp_btree_cursor *cursor,
 				     bool *inserted);
 
 /**
- * tsp_btree_insert_new_at - tsp_btree_insert_new() through a cursor
+ * tsp_btree_insert_new_at - insert through a cursor, unless the key is present
  * @cursor: the cursor; its tree is @cursor->info's
  * @root: current root
- * @key: key, which must be absent
- * @value: the value; the tree takes it over only if this returns 0
- * @new_root: out, the root afterwards, whether or not @key was present
+ * @key: key
+ * @value: the new value; the tree takes over the caller's reference only
+ *	if this returns 0
+ * @new_root: out, the root afterwards, set on -EEXIST too: the way down
+ *	may have shadowed or reshaped nodes before it found @key
  *
- * As tsp_btree_insert_at(), but refuses a present key (-EEXIST).
+ * As tsp_btree_insert_at(), but a lookup and an insert in one: a present
+ * key is left alone.
+ *
+ * Return: 0; -EEXIST if @key is present (its value is left as it was);
+ * or another error, as tsp_btree_insert()'s.
  */
 int __must_check tsp_btree_insert_new_at(struct tsp_btree_cursor *cursor,
 					 tsp_block_t root, u64 key,
@@ -169,25 +175,6 @@ void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor);
  * what the owner must release it for.
  */
 void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor);
-
-/**
- * tsp_btree_insert_new - insert, unless the key is present
- * @info: tree description
- * @root: current root
- * @key: key
- * @value: the new value; the tree takes over the caller's reference only
- *	if this returns 0
- * @new_root: out, the root afterwards, set on -EEXIST too: the way down
- *	may have shadowed or reshaped nodes before it found @key
- *
- * A lookup and an insert in one walk down the tree.
- *
- * Return: 0; -EEXIST if @key is present (its value is left as it was);
- * or another error, as tsp_btree_insert()'s.
- */
-int __must_check tsp_btree_insert_new(struct tsp_btree_info *info,
-				      tsp_block_t root, u64 key,
-				      const void *value, tsp_block_t *new_root);
 
 /* Remove @key (dec'ing its value); -ENODATA if absent. */
 int __must_check tsp_btree_remove(struct tsp_btree_info *info, tsp_block_t root,

@@ -895,12 +895,14 @@ static int op_insert(struct ctx *c, struct tree *t, u32 i, u32 id)
 }
 
 /*
- * tsp_btree_insert_new(), or with @cursor tsp_btree_insert_new_at():
- * inserts a new key, leaves a present one alone.
+ * tsp_btree_insert_new_at() through @cursor, or without one (NULL)
+ * through a cursor of its own: inserts a new key, leaves a present one
+ * alone.
  */
 static int op_insert_new_at(struct ctx *c, struct tsp_btree_cursor *cursor,
 			    struct tree *t, u32 i, u32 id)
 {
+	struct tsp_btree_cursor once = TSP_BTREE_CURSOR(&c->info);
 	u8 v[MAX_VSIZE];
 	tsp_block_t root;
 	int r;
@@ -908,12 +910,9 @@ static int op_insert_new_at(struct ctx *c, struct tsp_btree_cursor *cursor,
 	make_value(v, id, c->vc.size);
 	if (c->vc.counted)
 		c->vc.refs[id]++;	/* the caller's reference, for the tree */
-	if (cursor)
-		r = tsp_btree_insert_new_at(cursor, t->root, key_of(i), v,
-					    &root);
-	else
-		r = tsp_btree_insert_new(&c->info, t->root, key_of(i), v,
-					 &root);
+	r = tsp_btree_insert_new_at(cursor ?: &once, t->root, key_of(i), v,
+				    &root);
+	tsp_btree_cursor_release(&once);
 	if (r && r != -EEXIST)
 		return r;
 	/* Set on -EEXIST too: the way down may have moved the root. */
@@ -1567,7 +1566,7 @@ static void test_shared(const struct vt_config *vt)
 	snap_tree(c, &t[1], &t[0]);
 	verify(c);
 	/*
-	 * A present key through tsp_btree_insert_new(): the shared path is
+	 * A present key through tsp_btree_insert_new_at(): the shared path is
 	 * copied on the way down, the new root kept, and nothing leaks.
 	 */
 	k = model_pick(&t[1].m);
