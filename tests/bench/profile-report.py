@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: GPL-2.0-only
+"""Report on a scripts/profile run: for each target, the guest CPU time
+per IO that perf's samples show, and the functions that cost more per IO
+than on the reference target (the first in PROF_TARGETS): by their own
+samples (self) and by the samples with them on the stack (inclusive).
+
+usage: profile-report.py [--top N] [--tree FUNC]... DIR
+"""
+
+import argparse
+import collections
+import gzip
+import os
+import signal
+import sys
+
+
+class Profile:
+    """One target's perf script output: samples per function."""
+
+    def __init__(self, path):
+        self.self_us = collections.Counter()
+        self.incl_us = collections.Counter()
+        self.stacks = []        # (period_us, [outermost ... innermost])
+        self.total_us = 0.0
+        with gzip.open(path, 'rt', errors='replace') as f:
+            period, stack = 0.0, []
+            for line in f:
+                if not line.strip():
+                    self._add(period, stack)
+                    stack = []
+                elif line[0] not in ' \t':
+                    # "comm pid [cpu] time: period event:"
+                    fields = line.split()
+                    period = next((float(x) / 1000 for x, e in
+                                   zip(fields, fields[1:])
+                                   if e.endswith(':') and x.isdigit()), 0.0)
+                else:
+                    fields = line.split()
+                    if len(fields) >= 2:
+                        stack.append(fields[1].split('+')[0])
+            self._add(period, stack)
+
+    def _add(self, period, stack):
+        if not stack:
+            return
+        self.total_us += period
+        self.self_us[stack[0]] += period
+        for fn in set(stack):
+            self.incl_us[fn] += period
+        self.stacks.append((period, stack[::-1]))
+
+
+def fio_ios(path):
+    """IOs done and IOPS from fio's terse v3 line (reads or writes)."""
+    with open(path) as f:
+        for line in f:
+            x = line.split(';')
+            if x[0] == '3' and len(x) > 80:
+                rd_kib, wr_kib = int(x[5]), int(x[46])
+                if rd_kib >= wr_kib:
+                    return rd_kib // 4, float(x[7])
+                return wr_kib // 4, float(x[48])
+    raise ValueError(f'{path}: no fio terse line')
+
+
+def print_tree(prof, root, ios, depth=4, min_share=0.02):
+    """The call tree below @root, in us per 1000 IOs."""
+    tree = collections.Counter()
+    for period, stack in prof.stacks:
+        if root not in stack:
+            continue
+        path = tuple(stack[stack.index(root):][:depth + 1])
+        for k in range(1, len(path) + 1):
+            tree[path[:k]] += period
+    total = tree[(root,)]
+    if not total:
+        print(f'  {root}: no samples')
+        return
+
+    def show(prefix, indent):
+        kids = [(k, v) for k, v in tree.items()
+                if len(k) == len(prefix) + 1 and k[:-1] == prefix]
+        for k, v in sorted(kids, key=lambda kv: -kv[1]):
+            if v >= min_share * total:
+                print(f'  {"  " * indent}{v * 1000 / ios:8.1f}  {k[-1]}')
+                show(k, indent + 1)
+    print(f'  {total * 1000 / ios:8.1f}  {root}')
+    show((root,), 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--top', type=int, default=30)
+    ap.add_argument('--tree', action='append', default=[])
+    ap.add_argument('dir')
+    args = ap.parse_args()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)   # | head
+
+    env = {}
+    if not os.path.exists(os.path.join(args.dir, 'profile.env')):
+        sys.exit(f'profile-report: {args.dir}: no profile.env, the run did not get far')
+    with open(os.path.join(args.dir, 'profile.env')) as f:
+        for line in f:
+            k, _, v = line.strip().partition('=')
+            env[k] = v
+    targets = env.get('targets', '').split()
+    runs = {}
+    for t in targets:
+        perf = os.path.join(args.dir, f'{t}.perf.gz')
+        fio = os.path.join(args.dir, f'{t}.fio')
+        if os.path.exists(perf) and os.path.exists(fio):
+            runs[t] = (Profile(perf), *fio_ios(fio))
+    if len(runs) < 2 or targets[0] not in runs:
+        sys.exit(f'profile-report: {args.dir}: not enough runs came back')
+
+    ref = targets[0]
+    print(f'{env.get("job")}, {env.get("kernel")}, {env.get("vcpus")} vCPUs, '
+          f'under perf (which slows every target)')
+    print('  target          IOPS    us/IO  samples/IO (all of the run, fio\'s start too)')
+    for t, (prof, ios, iops) in runs.items():
+        print(f'  {t:14s} {iops:6.0f} {1e6 / iops:8.2f} {prof.total_us / ios:8.2f}')
+    rprof, rios, riops = runs[ref]
+    for t, (prof, ios, iops) in runs.items():
+        if t == ref:
+            continue
+        print(f'\n{t} against {ref}: {(1e6 / iops - 1e6 / riops) * 1000:.0f} us'
+              ' more per 1000 IOs; the functions that take more:')
+        for kind in ('self', 'incl'):
+            a, b = getattr(rprof, kind + '_us'), getattr(prof, kind + '_us')
+            diff = {fn: b[fn] / ios - a[fn] / rios for fn in set(a) | set(b)}
+            print(f'  {"self" if kind == "self" else "inclusive"}'
+                  f' (us per 1000 IOs: {ref}, {t}, difference)')
+            for fn in sorted(diff, key=lambda k: -diff[k])[:args.top]:
+                print(f'  {a[fn] * 1000 / rios:8.1f} {b[fn] * 1000 / ios:8.1f}'
+                      f' {diff[fn] * 1000:8.1f}  {fn}')
+        for root in args.tree:
+            print(f'\n{t}: call tree below {root} (us per 1000 IOs)')
+            print_tree(prof, root, ios)
+
+
+if __name__ == '__main__':
+    main()
