@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: GPL-2.0-only
-"""Report on a scripts/profile run: for each target, the guest CPU time
-per IO that perf's samples show, and the functions that cost more per IO
-than on the reference target (the first in PROF_TARGETS): by their own
-samples (self) and by the samples with them on the stack (inclusive).
+"""Report on a scripts/profile run: for each target, its IOPS and the
+guest CPU time per IO that perf's samples show (summed over the vCPUs,
+the whole run: fio's start too), and the functions that cost more per IO
+than on the reference target (the first in profile.env's targets): by
+their own samples (self) and by the samples with them on the stack
+(inclusive).
 
 usage: profile-report.py [--top N] [--tree FUNC]... DIR
 """
@@ -59,10 +61,11 @@ def fio_ios(path):
             x = line.split(';')
             if x[0] == '3' and len(x) > 80:
                 rd_kib, wr_kib = int(x[5]), int(x[46])
-                if rd_kib >= wr_kib:
-                    return rd_kib // 4, float(x[7])
-                return wr_kib // 4, float(x[48])
-    raise ValueError(f'{path}: no fio terse line')
+                ios, iops = ((rd_kib // 4, float(x[7])) if rd_kib >= wr_kib
+                             else (wr_kib // 4, float(x[48])))
+                if ios and iops:
+                    return ios, iops
+    raise ValueError(f'{path}: no IO in fio\'s terse output')
 
 
 def print_tree(prof, root, ios, depth=4, min_share=0.02):
@@ -108,25 +111,28 @@ def main():
     targets = env.get('targets', '').split()
     runs = {}
     for t in targets:
-        perf = os.path.join(args.dir, f'{t}.perf.gz')
-        fio = os.path.join(args.dir, f'{t}.fio')
-        if os.path.exists(perf) and os.path.exists(fio):
-            runs[t] = (Profile(perf), *fio_ios(fio))
-    if len(runs) < 2 or targets[0] not in runs:
-        sys.exit(f'profile-report: {args.dir}: not enough runs came back')
+        try:
+            prof = Profile(os.path.join(args.dir, f'{t}.perf.gz'))
+            runs[t] = (prof, *fio_ios(os.path.join(args.dir, f'{t}.fio')))
+        except (OSError, EOFError, ValueError) as e:
+            sys.exit(f'profile-report: {args.dir}: no result for {t}: {e}')
+        if not prof.total_us:
+            sys.exit(f'profile-report: {args.dir}: {t}\'s profile has no samples')
 
     ref = targets[0]
     print(f'{env.get("job")}, {env.get("kernel")}, {env.get("vcpus")} vCPUs, '
           f'under perf (which slows every target)')
-    print('  target          IOPS    us/IO  samples/IO (all of the run, fio\'s start too)')
+    print('  target          IOPS  wall us/IO  CPU us/IO (all vCPUs, the whole run)')
     for t, (prof, ios, iops) in runs.items():
-        print(f'  {t:14s} {iops:6.0f} {1e6 / iops:8.2f} {prof.total_us / ios:8.2f}')
+        print(f'  {t:14s} {iops:6.0f} {1e6 / iops:11.2f} {prof.total_us / ios:10.2f}')
     rprof, rios, riops = runs[ref]
     for t, (prof, ios, iops) in runs.items():
         if t == ref:
             continue
-        print(f'\n{t} against {ref}: {(1e6 / iops - 1e6 / riops) * 1000:.0f} us'
-              ' more per 1000 IOs; the functions that take more:')
+        print(f'\n{t} against {ref}, per 1000 IOs: wall time'
+              f' {(1e6 / iops - 1e6 / riops) * 1000:+.0f} us, CPU time'
+              f' {(prof.total_us / ios - rprof.total_us / rios) * 1000:+.0f} us;'
+              ' the functions that take more CPU time:')
         for kind in ('self', 'incl'):
             a, b = getattr(rprof, kind + '_us'), getattr(prof, kind + '_us')
             diff = {fn: b[fn] / ios - a[fn] / rios for fn in set(a) | set(b)}
@@ -135,8 +141,9 @@ def main():
             for fn in sorted(diff, key=lambda k: -diff[k])[:args.top]:
                 print(f'  {a[fn] * 1000 / rios:8.1f} {b[fn] * 1000 / ios:8.1f}'
                       f' {diff[fn] * 1000:8.1f}  {fn}')
-        for root in args.tree:
-            print(f'\n{t}: call tree below {root} (us per 1000 IOs)')
+    for root in args.tree:
+        for t, (prof, ios, _) in runs.items():
+            print(f'\n{t}: call tree below {root} (CPU us per 1000 IOs)')
             print_tree(prof, root, ios)
 
 
