@@ -456,37 +456,38 @@ static void __clear_ways(struct mc_shard *shard, struct mc_bucket *b,
 			WRITE_ONCE(shard->nr, shard->nr - 1);
 }
 
-/* A free way of @b, or -1. */
-static int mc_free_way(const struct mc_bucket *b)
-{
-	unsigned int i;
-
-	for (i = 0; i < MC_WAYS; i++)
-		if (!(b->used & (1U << i)))
-			return i;
-	return -1;
-}
-
 /*
- * The first of @key's two buckets in @t with a way that holds @key
- * (@want_free false) or is free (@want_free true), and that @way; NULL if
- * neither has one.  For the holder of the shard lock, or on a table not
- * yet published.
+ * Where @key is in @t: if one of its two buckets holds it, that bucket
+ * and way (return true); else (return false) the first free way of the
+ * two, the first bucket's before the second's, with *@b NULL if both are
+ * full.  For the holder of the shard lock, or on a table not yet
+ * published.
  */
-static struct mc_bucket *mc_probe(struct tsp_mapping_cache *mc,
-				  struct mc_table *t, u64 key, bool want_free,
-				  int *way)
+static bool mc_locate(struct tsp_mapping_cache *mc, struct mc_table *t,
+		      u64 key, struct mc_bucket **b, int *way)
 {
-	struct mc_bucket *b;
-	int i;
+	struct mc_bucket *buckets[2] = {
+		mc_bucket(mc, t, key, false), mc_bucket(mc, t, key, true)
+	};
+	unsigned int i, w;
 
+	*b = NULL;
 	for (i = 0; i < 2; i++) {
-		b = mc_bucket(mc, t, key, i);
-		*way = want_free ? mc_free_way(b) : mc_find_way(b, key);
-		if (*way >= 0)
-			return b;
+		for (w = 0; w < MC_WAYS; w++) {
+			bool used = buckets[i]->used & (1U << w);
+
+			if (used && buckets[i]->key[w] == key) {
+				*b = buckets[i];
+				*way = w;
+				return true;
+			}
+			if (!used && !*b) {
+				*b = buckets[i];
+				*way = w;
+			}
+		}
 	}
-	return NULL;
+	return false;
 }
 
 /* The way of the full bucket @b that CLOCK gives up (see "Eviction"). */
@@ -519,7 +520,7 @@ static unsigned int mc_copy_table(struct tsp_mapping_cache *mc,
 		for (way = 0; way < MC_WAYS; way++) {
 			if (!(b->used & (1U << way)))
 				continue;
-			into = mc_probe(mc, to, b->key[way], true, &free_way);
+			mc_locate(mc, to, b->key[way], &into, &free_way);
 			if (!into) {
 				dropped++;
 				continue;
@@ -603,16 +604,15 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 	shard = &mc->shards[mc_shard_index(mc, key)];
 
 	spin_lock(&shard->lock);
-	b = mc_probe(mc, __table(mc, shard), key, false, &way);
-	if (b) {
+	if (mc_locate(mc, __table(mc, shard), key, &b, &way)) {
 		if (!cacheable)
 			__clear_ways(shard, b, 1U << way);
 		else if (b->val[way] != val)
 			__set_way(b, way, key, val);
 	} else if (cacheable) {
-		b = mc_probe(mc, __table(mc, shard), key, true, &way);
+		/* A larger table does not hold @key either. */
 		while (!b && __grow(mc, shard))
-			b = mc_probe(mc, __table(mc, shard), key, true, &way);
+			mc_locate(mc, __table(mc, shard), key, &b, &way);
 		if (b) {
 			WRITE_ONCE(shard->nr, shard->nr + 1);
 		} else {
@@ -649,8 +649,7 @@ void tsp_mc_invalidate(struct tsp_mapping_cache *mc, u64 dev, u64 virt)
 		return;
 	shard = &mc->shards[mc_shard_index(mc, key)];
 	spin_lock(&shard->lock);
-	b = mc_probe(mc, __table(mc, shard), key, false, &way);
-	if (b)
+	if (mc_locate(mc, __table(mc, shard), key, &b, &way))
 		__clear_ways(shard, b, 1U << way);
 	spin_unlock(&shard->lock);
 }
