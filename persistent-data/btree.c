@@ -310,6 +310,9 @@ static u32 lower_bound(struct btree_node *n, u64 key)
 {
 	u32 lo = 0, hi = nr_entries(n);
 
+	/* Keys that come in order (first writes, a restore) go last. */
+	if (hi && key_at(n, hi - 1) < key)
+		return hi;
 	while (lo < hi) {
 		u32 mid = lo + (hi - lo) / 2;
 
