@@ -16,10 +16,14 @@
  * lock of that block takes it from there instead of looking it up in
  * dm-bufio (whose lock and buffer lookup are most of a lock's cost).  A
  * write lock of a pinned block adds no hold: the pin's hold stands for
- * it.  A pin is dropped when another block needs its slot (unless the
- * block is write locked), when the block is forgotten, and at every
- * flush: after a commit no block is written in place until it is
- * shadowed to a new one.  Read locks never use the table.
+ * it.  A pinned block is marked dirty in dm-bufio once, when its pin is
+ * dropped, not at every unlock (dm-bufio's lock again): held, it cannot
+ * be evicted, and clean in dm-bufio's eyes it is not written before.  A
+ * pin is dropped when another block needs its slot (unless the block is
+ * write locked), when the block is forgotten, and at every flush, before
+ * the dirty blocks are written: after a commit no block is written in
+ * place until it is shadowed to a new one.  Read locks never use the
+ * table.
  *
  * Locking: dm-bufio's own.  The caller guarantees a block is not read
  * while another holder has it write locked, and that write locks, and
@@ -48,6 +52,7 @@ struct bm_aux {
 	const struct tsp_block_validator *validator;	/* NULL: unchecked */
 	bool write_locked;
 	bool pinned;		/* in the pin table, holding a hold of its own */
+	bool dirty;		/* pinned, written, not yet marked dirty */
 };
 
 static struct dm_buffer *to_buffer(struct tsp_block *b)
@@ -68,6 +73,7 @@ static void bm_alloc_callback(struct dm_buffer *buf)
 	aux->validator = NULL;
 	aux->write_locked = false;
 	aux->pinned = false;
+	aux->dirty = false;
 }
 
 /* dm-bufio callback, just before a buffer is written; must not fail. */
@@ -124,10 +130,18 @@ static struct dm_buffer **pin_slot(struct tsp_block_manager *bm, tsp_block_t b)
 static void unpin_slot(struct dm_buffer **slot)
 {
 	struct dm_buffer *buf = *slot;
+	struct bm_aux *aux;
 
-	if (!buf || WARN_ON_ONCE(buffer_aux(buf)->write_locked))
+	if (!buf)
 		return;
-	buffer_aux(buf)->pinned = false;
+	aux = buffer_aux(buf);
+	if (WARN_ON_ONCE(aux->write_locked))
+		return;
+	if (aux->dirty) {
+		dm_bufio_mark_buffer_dirty(buf);
+		aux->dirty = false;
+	}
+	aux->pinned = false;
 	*slot = NULL;
 	dm_bufio_release(buf);
 }
@@ -338,17 +352,22 @@ int tsp_bm_lock_cached(struct tsp_block_manager *bm, tsp_block_t b,
 	return bm_lock(bm, b, v, write, BM_CACHED, result);
 }
 
-/* Release a lock; a write locked block becomes dirty (and stays pinned). */
+/*
+ * Release a lock; a write locked block becomes dirty (see "Pinning" for
+ * when a pinned one is marked so).
+ */
 void tsp_bm_unlock(struct tsp_block *b)
 {
 	struct dm_buffer *buf = to_buffer(b);
 	struct bm_aux *aux = buffer_aux(buf);
 
 	if (aux->write_locked) {
-		dm_bufio_mark_buffer_dirty(buf);
 		aux->write_locked = false;
-		if (aux->pinned)
+		if (aux->pinned) {
+			aux->dirty = true;
 			return;		/* the pin keeps the hold */
+		}
+		dm_bufio_mark_buffer_dirty(buf);
 	}
 	dm_bufio_release(buf);
 }
