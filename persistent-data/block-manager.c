@@ -376,14 +376,27 @@ void tsp_bm_unlock(struct tsp_block *b)
  * tsp_bm_flush - write every dirty block and flush the device cache
  * @bm: block manager
  *
- * Locked blocks are not dirty yet and are not written.  Drops the pins
- * of the blocks that are not locked.  Context: may sleep.  Returns 0 or
- * an IO error.
+ * Drops every pin, so that the pinned blocks written since they were
+ * pinned are marked dirty and written too.  A block still write locked
+ * would miss the flush, with the changes of its earlier locks if it is
+ * pinned: that is refused, as a caller's bug.  Context: may sleep.
+ * Returns 0, -EBUSY if a pinned block is write locked, or an IO error.
  */
 int tsp_bm_flush(struct tsp_block_manager *bm)
 {
+	unsigned int i;
+
 	if (bm->read_only)
 		return -EPERM;
+	for (i = 0; i < BM_PINNED_SLOTS; i++) {
+		struct dm_buffer *buf = bm->pinned[i];
+
+		if (buf && buffer_aux(buf)->write_locked) {
+			DMERR("metadata block %llu is write locked at a flush",
+			      (unsigned long long)dm_bufio_get_block_number(buf));
+			return -EBUSY;
+		}
+	}
 	unpin_all(bm);
 	return dm_bufio_write_dirty_buffers(bm->bufio);
 }

@@ -635,6 +635,12 @@ static void test_pins(void)
 	pin_write(bm, 100, false, 9);
 	CHECK_R(tsp_bm_flush(bm), 0);
 	pin_write(bm, 201, false, 10);
+
+	/* A flush is refused while a pinned block is write locked. */
+	CHECK_R(tsp_bm_write_lock(bm, 201, &sb_validator, &wr), 0);
+	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	tsp_bm_unlock(wr);
+	CHECK(tsp_bufio_holds() == h0 + 1);
 	tsp_bm_destroy(bm);
 	CHECK(tsp_bufio_holds() == h0);
 
