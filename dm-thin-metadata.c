@@ -317,6 +317,15 @@ static void __fail_io(struct tsp_pool_metadata *pmd)
 	tsp_mc_clear(__cache(pmd));
 }
 
+/* No more changes: the block manager writes nothing from now on. */
+static void __set_read_only(struct tsp_pool_metadata *pmd)
+{
+	pmd->read_only = true;
+	if (pmd->data_sm)
+		tsp_data_sm_unlock(pmd->data_sm);
+	tsp_bm_set_read_only(pmd->bm);
+}
+
 /*----------------------------------------------------------------
  * Open, format, commit, abort
  *--------------------------------------------------------------*/
@@ -831,8 +840,7 @@ int tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd)
 			if (r)
 				__fail_io(pmd);
 		}
-		pmd->read_only = true;
-		tsp_bm_set_read_only(pmd->bm);
+		__set_read_only(pmd);
 	}
 	up_write(&pmd->root_lock);
 	return r;
@@ -1684,26 +1692,23 @@ static bool __may_allocate(struct tsp_pool_metadata *pmd, tsp_block_t keep_free)
  * for the transaction manager's no-wait mode only.  The block is only
  * reserved while the mapping is inserted, so that an insert refused for
  * want of IO, or because @virt is mapped, leaves the space map as it was.
- * Holding the reserved block's bitmap locked across the insert is safe
- * only in no-wait mode, which copies no shared node: a copy takes a
- * reference to every data block the node maps, and some of them may be
- * counted in that bitmap.
+ * The reserve locks the block's bitmap, so allocating it after the insert
+ * cannot be refused: no-wait mode copies no shared node, whose copy
+ * would take references to data blocks, maybe counted in another bitmap.
  */
 static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 			      tsp_block_t keep_free, tsp_block_t *data)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
-	struct tsp_block *bitmap;
 	int r;
 
 	if (!__may_allocate(pmd, keep_free))
 		return -EWOULDBLOCK;
-	r = tsp_data_sm_reserve(pmd->data_sm, data, &bitmap);
+	r = tsp_data_sm_reserve(pmd->data_sm, data);
 	if (r)
 		return r == -ENOSPC ? -EWOULDBLOCK : r;
 	r = __insert_block(td, virt, *data, pmd->time, false, NULL);
-	tsp_data_sm_reserve_end(pmd->data_sm, *data, bitmap, !r);
-	return r;
+	return r ?: tsp_data_sm_alloc_reserved(pmd->data_sm, *data);
 }
 
 /* End an update that tried to provision: a refusal changed nothing. */
@@ -2053,8 +2058,7 @@ int tsp_pool_resize_metadata_dev(struct tsp_pool_metadata *pmd,
 void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd)
 {
 	down_write(&pmd->root_lock);
-	pmd->read_only = true;
-	tsp_bm_set_read_only(pmd->bm);
+	__set_read_only(pmd);
 	up_write(&pmd->root_lock);
 }
 

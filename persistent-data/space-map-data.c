@@ -36,7 +36,15 @@
  * full; from then on it is exact.  A count we wrote, or recounted, is
  * exact; one read from disk is trusted only as an allocation hint.
  *
- * Locking: none; the caller serialises.
+ * The bitmap changed last stays write locked between changes (@locked),
+ * so that allocating blocks one after another locks and shadows it once,
+ * not once per block.  The map reads that bitmap from the block it keeps
+ * rather than lock it again, and unlocks it (tsp_data_sm_unlock()) before
+ * anything else may write or drop the blocks it locked: at commit, before
+ * the metadata goes read only, at destroy.
+ *
+ * Locking: none; the caller serialises.  Readers that share the caller's
+ * lock (tsp_data_sm_get_count()) may run together: they only read.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 
@@ -72,6 +80,9 @@ struct tsp_data_sm {
 	 * blocks get reused), and by any other change that uses one.
 	 */
 	tsp_block_t run_begin, run_end;
+	/* Bitmap @locked_index, write locked since its last change; or NULL. */
+	struct tsp_block *locked;
+	u64 locked_index;
 };
 
 /* How far one search looks past the free block it finds. */
@@ -116,6 +127,42 @@ static struct tsp_data_sm *sm_alloc(struct tsp_tm *tm)
 	return sm;
 }
 
+/*
+ * Bitmap @i for reading: the block the map keeps locked if it is that
+ * bitmap (read locking it would find it write locked), else read locked.
+ * Release it with put_bitmap().
+ */
+static int get_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
+{
+	if (sm->locked && sm->locked_index == i) {
+		*blk = sm->locked;
+		return 0;
+	}
+	return tsp_tm_read_lock(sm->tm, sm->index[i].blocknr,
+				&tsp_bitmap_validator, blk);
+}
+
+static void put_bitmap(struct tsp_data_sm *sm, struct tsp_block *blk)
+{
+	if (blk != sm->locked)
+		tsp_tm_unlock(sm->tm, blk);
+}
+
+/**
+ * tsp_data_sm_unlock - unlock the bitmap the map keeps write locked
+ * @sm: space map
+ *
+ * Before the blocks written in the transaction are flushed or may no
+ * longer be written (read only); the next change locks it again.
+ */
+void tsp_data_sm_unlock(struct tsp_data_sm *sm)
+{
+	if (sm->locked) {
+		tsp_tm_unlock(sm->tm, sm->locked);
+		sm->locked = NULL;
+	}
+}
+
 /* Set bitmap @i's nr_free to the free entries of its bitmap block @data. */
 static void count_free_from(struct tsp_data_sm *sm, u64 i, void *data)
 {
@@ -136,12 +183,11 @@ static int recount_free(struct tsp_data_sm *sm, u64 i)
 	struct tsp_block *blk;
 	int r;
 
-	r = tsp_tm_read_lock(sm->tm, sm->index[i].blocknr, &tsp_bitmap_validator,
-			     &blk);
+	r = get_bitmap(sm, i, &blk);
 	if (r)
 		return r;
 	count_free_from(sm, i, tsp_block_data(blk));
-	tsp_tm_unlock(sm->tm, blk);
+	put_bitmap(sm, blk);
 	return 0;
 }
 
@@ -216,6 +262,7 @@ static bool in_set(u64 **set, u64 i, u32 pos)
 
 void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 {
+	tsp_data_sm_unlock(sm);
 	if (sm->index) {
 		forget_entries(sm, sm->freed);
 		forget_entries(sm, sm->held);
@@ -442,18 +489,18 @@ static int check_block(struct tsp_data_sm *sm, tsp_block_t b)
 	return -EILSEQ;
 }
 
-/* The 2-bit entry of @b in the bitmap at @loc. */
-static int bitmap_entry(struct tsp_data_sm *sm, tsp_block_t loc, tsp_block_t b,
+/* The 2-bit entry of @b in its bitmap. */
+static int bitmap_entry(struct tsp_data_sm *sm, tsp_block_t b,
 			unsigned int *entry)
 {
 	struct tsp_block *blk;
 	int r;
 
-	r = tsp_tm_read_lock(sm->tm, loc, &tsp_bitmap_validator, &blk);
+	r = get_bitmap(sm, b / TSP_ENTRIES_PER_BITMAP, &blk);
 	if (r)
 		return r;
 	*entry = tsp_bitmap_get(tsp_block_data(blk), b % TSP_ENTRIES_PER_BITMAP);
-	tsp_tm_unlock(sm->tm, blk);
+	put_bitmap(sm, blk);
 	return 0;
 }
 
@@ -471,8 +518,7 @@ int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
 
 	r = check_block(sm, b);
 	if (!r)
-		r = bitmap_entry(sm, sm->index[b / TSP_ENTRIES_PER_BITMAP].blocknr,
-				 b, &entry);
+		r = bitmap_entry(sm, b, &entry);
 	if (r)
 		return r;
 	if (entry < 3) {
@@ -492,9 +538,10 @@ int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
 }
 
 /*
- * Write lock bitmap @i for changing entries: shadowed, with its index
- * entry following it.  The first change after open recounts its free
- * entries, so nr_free is exact before it is changed by one.
+ * Bitmap @i for changing entries: shadowed, with its index entry
+ * following it, and kept write locked (see the top of this file) in
+ * place of the one kept so far.  The first change after open recounts
+ * its free entries, so nr_free is exact before it is changed by one.
  */
 static int lock_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
 {
@@ -502,6 +549,11 @@ static int lock_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
 	bool inc;
 	int r;
 
+	if (sm->locked && sm->locked_index == i) {
+		*blk = sm->locked;
+		return 0;
+	}
+	tsp_data_sm_unlock(sm);
 	r = tsp_tm_shadow_block(sm->tm, ie->blocknr, &tsp_bitmap_validator,
 				blk, &inc);
 	if (r)
@@ -509,10 +561,12 @@ static int lock_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
 	ie->blocknr = tsp_block_location(*blk);
 	if (!sm->counted[i])
 		count_free_from(sm, i, tsp_block_data(*blk));
+	sm->locked = *blk;
+	sm->locked_index = i;
 	return 0;
 }
 
-/* Set @b's 2-bit entry in its bitmap @blk, locked by lock_bitmap(). */
+/* Set @b's 2-bit entry in its bitmap @blk, from lock_bitmap(). */
 static void set_entry(struct tsp_data_sm *sm, struct tsp_block *blk,
 		      tsp_block_t b, u32 count)
 {
@@ -554,7 +608,6 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 		if (r)
 			return r;
 		set_entry(sm, blk, b, count);
-		tsp_tm_unlock(sm->tm, blk);
 	}
 
 	if (!old && count) {
@@ -626,7 +679,7 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start)
 	struct tsp_block *bitmap;
 	int r;
 
-	r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator, &bitmap);
+	r = get_bitmap(sm, i, &bitmap);
 	if (r)
 		return r;
 
@@ -643,7 +696,7 @@ static int find_free_in(struct tsp_data_sm *sm, u64 i, u32 start)
 		break;
 	}
 
-	tsp_tm_unlock(sm->tm, bitmap);
+	put_bitmap(sm, bitmap);
 	return r;
 }
 
@@ -705,41 +758,37 @@ static int recount_full(struct tsp_data_sm *sm)
  */
 int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
 {
-	struct tsp_block *bitmap;
-	int r = tsp_data_sm_reserve(sm, b, &bitmap);
+	int r = tsp_data_sm_reserve(sm, b);
 
 	if (r == -ENOSPC) {
 		r = recount_full(sm);
 		if (r > 0)
-			r = tsp_data_sm_reserve(sm, b, &bitmap);
+			r = tsp_data_sm_reserve(sm, b);
 		else if (!r)
 			r = -ENOSPC;
 	}
-	if (r)
-		return r;
-	tsp_data_sm_reserve_end(sm, *b, bitmap, true);
-	return 0;
+	return r ?: tsp_data_sm_alloc_reserved(sm, *b);
 }
 
 /**
- * tsp_data_sm_reserve - the block the next allocation hands out, its bitmap locked
+ * tsp_data_sm_reserve - the block the next allocation hands out
  * @sm: space map
  * @b: out, the block
- * @bitmap: out, @b's bitmap block, write locked: pass it to
- *	tsp_data_sm_reserve_end()
  *
- * Changes nothing that tsp_data_sm_reserve_end() cannot take back: the
- * caller may try other updates (not of the data space map) before it
- * decides whether to allocate @b.  With its bitmap locked, allocating it
- * cannot fail, also in the transaction manager's no-wait mode.
+ * Changes nothing that matters if @b is not allocated: the caller may try
+ * other updates (not of the data space map) before it decides to
+ * allocate @b with tsp_data_sm_alloc_reserved().  @b's bitmap is locked
+ * (shadowed) here, so that allocating it then cannot fail, also in the
+ * transaction manager's no-wait mode, unless a change of another bitmap
+ * came in between.
  *
  * Return: 0; -ENOSPC if no bitmap in the index has an allocatable entry
  * (counts read from disk are not recounted: tsp_data_sm_new_block() does
  * that); or the transaction manager's error (-EWOULDBLOCK in no-wait mode).
  */
-int tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b,
-			struct tsp_block **bitmap)
+int tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b)
 {
+	struct tsp_block *bitmap;
 	int r = 0;
 
 	if (sm->run_begin == sm->run_end)
@@ -747,27 +796,30 @@ int tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b,
 	if (r)
 		return r;
 	*b = sm->run_begin;
-	return lock_bitmap(sm, *b / TSP_ENTRIES_PER_BITMAP, bitmap);
+	return lock_bitmap(sm, *b / TSP_ENTRIES_PER_BITMAP, &bitmap);
 }
 
 /**
- * tsp_data_sm_reserve_end - allocate the block tsp_data_sm_reserve() picked, or not
+ * tsp_data_sm_alloc_reserved - allocate the block tsp_data_sm_reserve() picked
  * @sm: space map
- * @b: the block
- * @bitmap: its bitmap, unlocked here
- * @allocate: true to give @b a count of 1, false to leave it free
+ * @b: the block; no other block was allocated since it was reserved
+ *
+ * Return: 0 (@b's count is 1), or lock_bitmap()'s error if a change of
+ * another bitmap came in since the reserve.
  */
-void tsp_data_sm_reserve_end(struct tsp_data_sm *sm, tsp_block_t b,
-			     struct tsp_block *bitmap, bool allocate)
+int tsp_data_sm_alloc_reserved(struct tsp_data_sm *sm, tsp_block_t b)
 {
-	if (allocate) {
-		set_entry(sm, bitmap, b, 1);
-		/* Past the run first: count_allocated() keeps the rest of it. */
-		sm->run_begin = b + 1;
-		sm->alloc_cursor = b + 1;
-		count_allocated(sm, b);
-	}
-	tsp_tm_unlock(sm->tm, bitmap);
+	struct tsp_block *bitmap;
+	int r = lock_bitmap(sm, b / TSP_ENTRIES_PER_BITMAP, &bitmap);
+
+	if (r)
+		return r;
+	set_entry(sm, bitmap, b, 1);
+	/* Past the run first: count_allocated() keeps the rest of it. */
+	sm->run_begin = b + 1;
+	sm->alloc_cursor = b + 1;
+	count_allocated(sm, b);
+	return 0;
 }
 
 /**
@@ -782,6 +834,7 @@ int tsp_data_sm_commit(struct tsp_data_sm *sm, void *root)
 	u64 i;
 	int r;
 
+	tsp_data_sm_unlock(sm);
 	for (i = 0; i < sm->nr_bitmaps; i++) {
 		if (!sm->dirty[i])
 			continue;
@@ -833,13 +886,12 @@ int tsp_data_sm_check_index(struct tsp_data_sm *sm)
 	for (i = 0; i < sm->nr_bitmaps; i++) {
 		ie = &sm->index[i];
 		nr = bitmap_entries(sm->nr_blocks, i);
-		r = tsp_tm_read_lock(sm->tm, ie->blocknr, &tsp_bitmap_validator,
-				     &blk);
+		r = get_bitmap(sm, i, &blk);
 		if (r)
 			return r;
 		nr_free = tsp_bitmap_count_free(tsp_block_data(blk), nr,
 						&first_free);
-		tsp_tm_unlock(sm->tm, blk);
+		put_bitmap(sm, blk);
 
 		if (ie->nr_free > nr_free + (TSP_ENTRIES_PER_BITMAP - nr)) {
 			DMERR("data space map bitmap %llu: index entry says %u entries are free, the bitmap has %u of %u",

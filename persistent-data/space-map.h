@@ -38,16 +38,17 @@ int __must_check tsp_data_sm_dec(struct tsp_data_sm *sm, tsp_block_t b);
 /* Allocate a free block: its count becomes 1. */
 int __must_check tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b);
 /* The same in two steps, see space-map-data.c. */
-int __must_check tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b,
-				     struct tsp_block **bitmap);
-void tsp_data_sm_reserve_end(struct tsp_data_sm *sm, tsp_block_t b,
-			     struct tsp_block *bitmap, bool allocate);
+int __must_check tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b);
+int __must_check tsp_data_sm_alloc_reserved(struct tsp_data_sm *sm,
+					    tsp_block_t b);
 /* Grow to @nr_blocks; -EINVAL to shrink. */
 int __must_check tsp_data_sm_extend(struct tsp_data_sm *sm,
 				    tsp_block_t nr_blocks);
 /* Write what changed; fills @root (TSP_SM_ROOT_SIZE bytes). */
 int __must_check tsp_data_sm_commit(struct tsp_data_sm *sm, void *root);
 void tsp_data_sm_hold_freed(struct tsp_data_sm *sm);
+/* Unlock the bitmap kept locked between changes, see space-map-data.c. */
+void tsp_data_sm_unlock(struct tsp_data_sm *sm);
 void tsp_data_sm_release_held(struct tsp_data_sm *sm);
 
 /*
