@@ -483,6 +483,16 @@ static DEFINE_MUTEX(pool_table_mutex);
 static LIST_HEAD(pool_table);
 static struct kmem_cache *job_cache;
 
+/*
+ * What writes of zeroes write: 64 KiB of zeroes, never written, so that
+ * a block of the usual sizes takes one vector of them where the zero
+ * page would take one per page (and a bio with many vectors, allocated
+ * apart).
+ */
+#define ZEROES_ORDER 4
+#define ZEROES_SECTORS (PAGE_SECTORS << ZEROES_ORDER)
+static struct page *zeroes;
+
 /*----------------------------------------------------------------
  * Small helpers
  *--------------------------------------------------------------*/
@@ -1214,14 +1224,20 @@ static void fill_endio(struct bio *bio)
 	job_io_done(job, err);
 }
 
-/* Add @nr sectors of zeroes to @bio, which has a vector free per page. */
+/* Vectors of @zeroes that @nr sectors of zeroes take. */
+static unsigned int zeroes_vecs(sector_t nr)
+{
+	return DIV_ROUND_UP(nr, ZEROES_SECTORS);
+}
+
+/* Add @nr sectors of zeroes to @bio, which has zeroes_vecs(@nr) free. */
 static void bio_add_zeroes(struct bio *bio, sector_t nr)
 {
 	sector_t len;
 
 	for (; nr; nr -= len) {
-		len = min_t(sector_t, nr, PAGE_SECTORS);
-		__bio_add_page(bio, ZERO_PAGE(0), len << SECTOR_SHIFT, 0);
+		len = min_t(sector_t, nr, ZEROES_SECTORS);
+		__bio_add_page(bio, zeroes, len << SECTOR_SHIFT, 0);
 	}
 }
 
@@ -1237,7 +1253,7 @@ static void submit_fill(struct job *job, struct bio *bio)
  * Zero @nr sectors of the data device from @sector, as IOs of @job: with
  * REQ_OP_WRITE_ZEROES where the device offers it (an NVMe drive zeroes a
  * range without the data crossing the bus; it may deallocate it), else
- * by writing the zero page, as dm-thin always does.  Worker only; may
+ * by writing @zeroes (dm-thin always writes zeroes).  Worker only; may
  * sleep for a bio.
  */
 static void zero_range(struct pool *pool, struct job *job, sector_t sector,
@@ -1256,10 +1272,10 @@ static void zero_range(struct pool *pool, struct job *job, sector_t sector,
 					       &pool->zero_bios);
 			bio->bi_iter.bi_size = len << SECTOR_SHIFT;
 		} else {
-			len = min_t(sector_t, nr, BIO_MAX_VECS * PAGE_SECTORS);
+			len = min_t(sector_t, nr, BIO_MAX_VECS * ZEROES_SECTORS);
 			bio = bio_alloc_bioset(pool->data_dev.bdev,
-					       DIV_ROUND_UP(len, PAGE_SECTORS),
-					       REQ_OP_WRITE, GFP_NOIO, &pool->zero_bios);
+					       zeroes_vecs(len), REQ_OP_WRITE,
+					       GFP_NOIO, &pool->zero_bios);
 			bio_add_zeroes(bio, len);
 		}
 		bio->bi_iter.bi_sector = sector;
@@ -1284,9 +1300,8 @@ static bool write_with_zeroes(struct pool *pool, struct job *job,
 {
 	struct bio *bio = job->bio, *write;
 	sector_t end = begin + bio_sectors(bio);
-	unsigned int nr_vecs = DIV_ROUND_UP(begin, PAGE_SECTORS) +
-			       bio_segments(bio) +
-			       DIV_ROUND_UP(pool->sectors_per_block - end, PAGE_SECTORS);
+	unsigned int nr_vecs = zeroes_vecs(begin) + bio_segments(bio) +
+			       zeroes_vecs(pool->sectors_per_block - end);
 	struct bvec_iter iter;
 	struct bio_vec bv;
 
@@ -3514,9 +3529,14 @@ static int __init tsp_init(void)
 {
 	int r;
 
-	job_cache = KMEM_CACHE(job, 0);
-	if (!job_cache)
+	zeroes = alloc_pages(GFP_KERNEL | __GFP_ZERO | __GFP_COMP, ZEROES_ORDER);
+	if (!zeroes)
 		return -ENOMEM;
+	job_cache = KMEM_CACHE(job, 0);
+	if (!job_cache) {
+		r = -ENOMEM;
+		goto bad_zeroes;
+	}
 
 	r = dm_register_target(&pool_target);
 	if (r)
@@ -3530,6 +3550,8 @@ bad_pool:
 	dm_unregister_target(&pool_target);
 bad_cache:
 	kmem_cache_destroy(job_cache);
+bad_zeroes:
+	__free_pages(zeroes, ZEROES_ORDER);
 	return r;
 }
 
@@ -3538,6 +3560,7 @@ static void __exit tsp_exit(void)
 	dm_unregister_target(&thin_target);
 	dm_unregister_target(&pool_target);
 	kmem_cache_destroy(job_cache);
+	__free_pages(zeroes, ZEROES_ORDER);
 }
 
 module_init(tsp_init);

@@ -486,27 +486,30 @@ test_zeroing_offload() {
 	umount wz
 }
 
-# zeroing_around <block sectors>: first writes to parts of new blocks
-# read back with zeroes around their data.  A block that fits in one bio
-# with the data is written whole in one bio, a bigger one beside zeroing
-# bios (blocks_written_whole in the stats message counts the former).
-# 4k at 8k into each of eight blocks (fio, verified), then 1536 bytes at
-# sector 17 of the ninth, which ends no page.  The data device starts
-# all 0xff, so a block left unzeroed shows.
+# zeroing_around <block sectors> <blocks written whole>: first writes to
+# parts of new blocks read back with zeroes around their data.  A block
+# that fits in one bio with the data is written whole in one bio, a
+# bigger one beside zeroing bios (blocks_written_whole in the stats
+# message counts the former: all 9 or none).  4k at 8k into each of
+# eight blocks (fio, verified), then 1536 bytes at sector 17 of the
+# ninth, which ends no page.  The data device starts all 0xff, so a
+# block left unzeroed shows.
 zeroing_around() {
-	local t=/dev/mapper/tss-t bs=$(($1 * 512)) n
+	local t=/dev/mapper/tss-t bs=$(($1 * 512)) whole=$2 mib n
+	mib=$(((10 * bs >> 20) > 64 ? 10 * bs >> 20 : 64))
 	need_targets
-	brd_setup 2 64
-	perl -e 'print "\xff" x 1048576 for 1 .. 64' |
+	brd_setup 2 "$mib"
+	perl -e 'print "\xff" x 1048576 for 1 .. '"$mib" |
 		dd of=/dev/ram1 bs=1M iflag=fullblock oflag=direct status=none
 	dd if=/dev/zero of=/dev/ram0 bs=4096 count=1 oflag=direct status=none
-	dm_create tss-pool "0 131072 $POOL_T /dev/ram0 /dev/ram1 $1 $LOW_WATER 0"
+	dm_create tss-pool "0 $((mib * 2048)) $POOL_T /dev/ram0 /dev/ram1 $1 $LOW_WATER 0"
 	dm_message tss-pool "create_thin 0"
-	dm_create tss-t "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	dm_create tss-t "0 $((mib * 2048)) $THIN_T /dev/mapper/tss-pool 0"
 	run_fio holes --filename=$t --rw=write:$((bs / 1024 - 4))k --bs=4k --offset=8k \
 		--size=$((8 * bs)) --verify=crc32c --verify_fatal=1 --do_verify=1
 	dd if=$t of=t.img bs="$bs" count=8 iflag=direct status=none
 	check_zeroed_around t.img 8 8192 "$bs" || fail "new blocks of $bs bytes not zeroed"
+	rm -f t.img
 	head -c 1536 /dev/urandom >piece
 	dd if=piece of=$t bs=512 seek=$((8 * $1 + 17)) oflag=direct status=none ||
 		fail "writing 1536 bytes at sector 17 of a new block failed"
@@ -516,11 +519,8 @@ zeroing_around() {
 	if ours; then
 		n=$(pool_stat blocks_written_whole)
 		log "blocks written whole in one bio: $n of 9"
-		if [ "$bs" -le $((1 << 20)) ]; then
-			[ "$n" = 9 ] || fail "$n of 9 new blocks written whole"
-		else
-			[ "$n" = 0 ] || fail "$n new blocks of $bs bytes written whole"
-		fi
+		[ "$n" = "$whole" ] ||
+			fail "$n of 9 new blocks of $bs bytes written whole, not $whole"
 	fi
 	dm_remove tss-t
 	dm_remove tss-pool
@@ -528,12 +528,17 @@ zeroing_around() {
 }
 
 test_zeroing_around() {
-	zeroing_around 128
+	zeroing_around 128 9
 }
 
-# 2 MiB blocks need more pages than a bio holds.
+# 2 MiB blocks: more pages than a bio holds, but 32 vectors of zeroes.
 test_zeroing_big_blocks() {
-	zeroing_around 4096
+	zeroing_around 4096 9
+}
+
+# 32 MiB blocks: more vectors of zeroes than a bio holds.
+test_zeroing_huge_blocks() {
+	zeroing_around 65536 0
 }
 
 # --- 4c. a commit that fails passes nothing down ----------------------------
@@ -1363,6 +1368,7 @@ run_test thin_scalable_passdown_failed_commit test_passdown_failed_commit
 run_test thin_scalable_zeroing_offload test_zeroing_offload
 run_test thin_scalable_zeroing_around test_zeroing_around
 run_test thin_scalable_zeroing_big_blocks test_zeroing_big_blocks
+run_test thin_scalable_zeroing_huge_blocks test_zeroing_huge_blocks
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
