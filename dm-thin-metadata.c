@@ -2010,11 +2010,20 @@ int tsp_pool_get_metadata_dev_size(struct tsp_pool_metadata *pmd,
 	return 0;
 }
 
-int tsp_pool_get_free_metadata_block_count(struct tsp_pool_metadata *pmd,
-					   tsp_block_t *result)
+/**
+ * tsp_pool_get_space - the free data and metadata blocks, in one look
+ * @pmd: pool metadata
+ * @space: out
+ *
+ * Context: may sleep (takes @root_lock for reading).  Return: 0.
+ */
+int tsp_pool_get_space(struct tsp_pool_metadata *pmd,
+		       struct tsp_pool_space *space)
 {
 	down_read(&pmd->root_lock);
-	*result = tsp_tm_nr_free(pmd->tm);
+	space->data_free = tsp_data_sm_nr_free(pmd->data_sm);
+	space->metadata_blocks = tsp_tm_nr_blocks(pmd->tm);
+	space->metadata_free = tsp_tm_nr_free(pmd->tm);
 	up_read(&pmd->root_lock);
 	return 0;
 }

@@ -284,8 +284,21 @@ int __must_check tsp_pool_get_data_block_refcount(struct tsp_pool_metadata *pmd,
 						  tsp_block_t b, u32 *result);
 int __must_check tsp_pool_get_metadata_dev_size(struct tsp_pool_metadata *pmd,
 						tsp_block_t *result);
-int __must_check tsp_pool_get_free_metadata_block_count(struct tsp_pool_metadata *pmd,
-							tsp_block_t *result);
+
+/**
+ * struct tsp_pool_space - a pool's free space, as one look saw it
+ * @data_free: free data blocks
+ * @metadata_blocks: blocks of the metadata device
+ * @metadata_free: free metadata blocks
+ */
+struct tsp_pool_space {
+	tsp_block_t data_free;
+	tsp_block_t metadata_blocks;
+	tsp_block_t metadata_free;
+};
+
+int __must_check tsp_pool_get_space(struct tsp_pool_metadata *pmd,
+				    struct tsp_pool_space *space);
 /* Grow the data space map; -EINVAL to shrink. */
 int __must_check tsp_pool_resize_data_dev(struct tsp_pool_metadata *pmd,
 					  tsp_block_t new_count);

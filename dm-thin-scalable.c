@@ -828,6 +828,14 @@ static tsp_block_t metadata_low_water(tsp_block_t nr_blocks)
 	return min_t(tsp_block_t, METADATA_LOW_WATER_BLOCKS, nr_blocks / 4);
 }
 
+/* The free metadata blocks of @space outside the reserve. */
+static tsp_block_t metadata_free_unreserved(const struct tsp_pool_space *space)
+{
+	tsp_block_t reserve = metadata_reserve(space->metadata_blocks);
+
+	return space->metadata_free > reserve ? space->metadata_free - reserve : 0;
+}
+
 /**
  * get_metadata_space - the metadata device's size and free blocks
  * @pool: the pool
@@ -839,16 +847,13 @@ static tsp_block_t metadata_low_water(tsp_block_t nr_blocks)
 static int get_metadata_space(struct pool *pool, tsp_block_t *nr_blocks,
 			      tsp_block_t *nr_free)
 {
-	tsp_block_t reserve;
-	int r;
+	struct tsp_pool_space space;
+	int r = tsp_pool_get_space(pool->pmd, &space);
 
-	r = tsp_pool_get_metadata_dev_size(pool->pmd, nr_blocks);
-	if (!r)
-		r = tsp_pool_get_free_metadata_block_count(pool->pmd, nr_free);
 	if (r)
 		return r;
-	reserve = metadata_reserve(*nr_blocks);
-	*nr_free = *nr_free > reserve ? *nr_free - reserve : 0;
+	*nr_blocks = space.metadata_blocks;
+	*nr_free = metadata_free_unreserved(&space);
 	return 0;
 }
 
@@ -880,15 +885,17 @@ static void enter_no_metadata_space_mode(struct pool *pool, const char *why)
  */
 static void check_metadata_space(struct pool *pool)
 {
+	struct tsp_pool_space space;
 	tsp_block_t nr_blocks, nr_free;
 
 	lockdep_assert_held(&pool->commit_lock);
-	/* Free blocks counting the reserve: the low water mark is on those. */
-	if (tsp_pool_get_metadata_dev_size(pool->pmd, &nr_blocks) ||
-	    tsp_pool_get_free_metadata_block_count(pool->pmd, &nr_free)) {
+	if (tsp_pool_get_space(pool->pmd, &space)) {
 		enter_no_metadata_space_mode(pool, "could not get free metadata blocks");
 		return;
 	}
+	/* Free blocks counting the reserve: the low water mark is on those. */
+	nr_blocks = space.metadata_blocks;
+	nr_free = space.metadata_free;
 	if (!pool->metadata_low_water_triggered &&
 	    nr_free <= metadata_low_water(nr_blocks)) {
 		DMWARN("%s: reached low water mark for metadata device: sending event",
@@ -1678,13 +1685,11 @@ static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
 		error_retry_list(pool, BLK_STS_IOERR);
 }
 
-static void check_low_water_mark(struct pool *pool)
+/* Send the data low water event once, when @nr_free blocks are left. */
+static void check_low_water_mark(struct pool *pool, tsp_block_t nr_free)
 {
-	tsp_block_t free;
-
 	if (READ_ONCE(pool->low_water_triggered) ||
-	    tsp_pool_get_free_block_count(pool->pmd, &free) ||
-	    free > pool->low_water_blocks)
+	    nr_free > pool->low_water_blocks)
 		return;
 	/* Once, whichever worker gets here first. */
 	mutex_lock(&pool->mode_lock);
@@ -1705,6 +1710,7 @@ static void check_low_water_mark(struct pool *pool)
 static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 {
 	u64 commits = atomic64_read(&pool->commits);
+	struct tsp_pool_space space;
 	int r;
 
 	if (pool_mode(pool) != PM_WRITE) {
@@ -1735,13 +1741,15 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 		bio_io_error(bio);
 		return r;
 	}
-	check_low_water_mark(pool);
+	if (tsp_pool_get_space(pool->pmd, &space))
+		return 0;
+	check_low_water_mark(pool, space.data_free);
 
 	/*
 	 * Only the metadata reserve is left: commit, which switches the pool
 	 * to out-of-metadata-space mode.  This block's mapping still fits.
 	 */
-	if (metadata_reserve_reached(pool))
+	if (!metadata_free_unreserved(&space))
 		(void)commit(pool);
 	return 0;
 }

@@ -280,6 +280,7 @@ static void run_image(u8 flags)
 {
 	struct tsp_pool_metadata *pmd;
 	struct block_device *bdev;
+	struct tsp_pool_space space;
 	struct tsp_pool_info info;
 	struct devs devs = { .nr = 0 };
 	tsp_block_t snap, n;
@@ -305,7 +306,7 @@ static void run_image(u8 flags)
 		ignore(tsp_pool_get_info(pmd, &info));
 		ignore(tsp_pool_get_metadata_snap(pmd, &snap));
 		ignore(tsp_pool_get_free_block_count(pmd, &n));
-		ignore(tsp_pool_get_free_metadata_block_count(pmd, &n));
+		ignore(tsp_pool_get_space(pmd, &space));
 		ignore(tsp_pool_metadata_needs_check(pmd));
 		poke_data_counts(pmd);
 
