@@ -1708,7 +1708,13 @@ static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	if (r)
 		return r == -ENOSPC ? -EWOULDBLOCK : r;
 	r = __insert_block(td, virt, *data, pmd->time, false, NULL);
-	return r ?: tsp_data_sm_alloc_reserved(pmd->data_sm, *data);
+	if (r)
+		return r;
+	/* Mapped now: a refusal here must fail the update, not undo it. */
+	r = tsp_data_sm_alloc_reserved(pmd->data_sm, *data);
+	if (WARN_ON_ONCE(r))
+		return r == -EWOULDBLOCK ? -EILSEQ : r;
+	return 0;
 }
 
 /* End an update that tried to provision: a refusal changed nothing. */

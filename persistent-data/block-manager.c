@@ -30,7 +30,9 @@
  * the calls that drop pins (flush, forget, read only, destroy), are made
  * by one holder at a time with no reader about (the pool metadata lock,
  * held for writing), which is what makes the pin table safe to use
- * without a lock of its own.  Readers may share a buffer: the first to
+ * without a lock of its own.  A block kept write locked beyond that (the
+ * data space map's last bitmap) stays in the pin table untouched: no pin
+ * drop takes a write locked block's slot.  Readers may share a buffer: the first to
  * lock it after it was read from disk checks it, and two of them may do
  * so at once, each storing the same validator.
  */

@@ -11,7 +11,10 @@
  * block is write locked by at most one holder at a time, and write locks,
  * flush, forget and read only are called by one holder at a time with no
  * reader about; the metadata layer above guarantees that by holding its
- * own lock, for writing, over all of them.  Every function may sleep.
+ * own lock, for writing, over all of them.  A holder may keep a block
+ * write locked beyond that (the data space map's last bitmap), if no one
+ * reads it through the block manager meanwhile and it is unlocked before
+ * a flush, forget or read only.  Every function may sleep.
  */
 #ifndef TSP_BLOCK_MANAGER_H
 #define TSP_BLOCK_MANAGER_H

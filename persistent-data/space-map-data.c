@@ -558,7 +558,10 @@ static int lock_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
 				blk, &inc);
 	if (r)
 		return r;
-	ie->blocknr = tsp_block_location(*blk);
+	if (ie->blocknr != tsp_block_location(*blk)) {
+		ie->blocknr = tsp_block_location(*blk);
+		sm->dirty[i] = 1;
+	}
 	if (!sm->counted[i])
 		count_free_from(sm, i, tsp_block_data(*blk));
 	sm->locked = *blk;

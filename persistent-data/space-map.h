@@ -8,7 +8,10 @@
  * the transaction commits (the committed metadata may still map it, or an
  * IO still use it).
  *
- * Locking: none; the caller serialises.  Every function may sleep.
+ * Locking: none; the caller serialises.  Every function may sleep.  The
+ * map keeps the bitmap it changed last write locked between calls: the
+ * caller unlocks it (tsp_data_sm_unlock(), or the commit) before the
+ * block manager flushes, goes read only or forgets blocks.
  * Return codes: 0; -ENOSPC when no block can be allocated (or, for
  * extend, the metadata device cannot hold the bitmaps); -EINVAL for a
  * block beyond the end or a shrink; -EILSEQ for corrupt metadata,

@@ -970,6 +970,20 @@ static void test_metadata(void)
 	CHECK_R(tsp_pool_metadata_set_cache_budget(p.pmd, TSP_MC_DEFAULT_BUDGET), 0);
 
 	/*
+	 * Read only while the data space map keeps a bitmap write locked
+	 * (the last allocation's): unlocked first, so the block manager
+	 * drops its pins without a warning, and written at the next commit.
+	 */
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 700, b), 0);
+	tsp_pool_metadata_read_only(p.pmd);
+	tsp_pool_metadata_read_write(p.pmd);
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 701, b), 0);
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	CHECK_R(tsp_pool_check(p.pmd), 0);
+
+	/*
 	 * Giving up after a failure: aborted, needs_check committed, read
 	 * only; a second call (another failure) changes nothing.
 	 */
