@@ -119,6 +119,7 @@
 #include <linux/delay.h>
 #include <linux/refcount.h>
 #include <linux/completion.h>
+#include <linux/sizes.h>
 #include <linux/version.h>
 
 #include "dm-core-private.h"
@@ -489,8 +490,8 @@ static struct kmem_cache *job_cache;
  * page would take one per page (and a bio with many vectors, allocated
  * apart).
  */
-#define ZEROES_ORDER 4
-#define ZEROES_SECTORS (PAGE_SECTORS << ZEROES_ORDER)
+#define ZEROES_ORDER get_order(SZ_64K)
+#define ZEROES_SECTORS (SZ_64K >> SECTOR_SHIFT)
 static struct page *zeroes;
 
 /*----------------------------------------------------------------
