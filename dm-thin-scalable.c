@@ -887,7 +887,6 @@ static void enter_no_metadata_space_mode(struct pool *pool, const char *why)
 static void check_metadata_space(struct pool *pool)
 {
 	struct tsp_pool_space space;
-	tsp_block_t nr_blocks, nr_free;
 
 	lockdep_assert_held(&pool->commit_lock);
 	if (tsp_pool_get_space(pool->pmd, &space)) {
@@ -895,10 +894,8 @@ static void check_metadata_space(struct pool *pool)
 		return;
 	}
 	/* Free blocks counting the reserve: the low water mark is on those. */
-	nr_blocks = space.metadata_blocks;
-	nr_free = space.metadata_free;
 	if (!pool->metadata_low_water_triggered &&
-	    nr_free <= metadata_low_water(nr_blocks)) {
+	    space.metadata_free <= metadata_low_water(space.metadata_blocks)) {
 		DMWARN("%s: reached low water mark for metadata device: sending event",
 		       dm_device_name(pool->pool_md));
 		pool->metadata_low_water_triggered = true;
@@ -906,7 +903,7 @@ static void check_metadata_space(struct pool *pool)
 		pool_event(pool);
 		mutex_unlock(&pool->mode_lock);
 	}
-	if (nr_free <= metadata_reserve(nr_blocks))
+	if (!metadata_free_unreserved(&space))
 		enter_no_metadata_space_mode(pool, "no free metadata blocks");
 }
 

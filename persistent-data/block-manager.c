@@ -32,9 +32,9 @@
  * held for writing), which is what makes the pin table safe to use
  * without a lock of its own.  A block kept write locked beyond that (the
  * data space map's last bitmap) stays in the pin table untouched: no pin
- * drop takes a write locked block's slot.  Readers may share a buffer: the first to
- * lock it after it was read from disk checks it, and two of them may do
- * so at once, each storing the same validator.
+ * drop takes a write locked block's slot.  Readers may share a buffer:
+ * the first to lock it after it was read from disk checks it, and two of
+ * them may do so at once, each storing the same validator.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 

@@ -127,6 +127,12 @@ static struct tsp_data_sm *sm_alloc(struct tsp_tm *tm)
 	return sm;
 }
 
+/* The block the map keeps write locked, if it is bitmap @i; else NULL. */
+static struct tsp_block *kept_bitmap(struct tsp_data_sm *sm, u64 i)
+{
+	return sm->locked_index == i ? sm->locked : NULL;
+}
+
 /*
  * Bitmap @i for reading: the block the map keeps locked if it is that
  * bitmap (read locking it would find it write locked), else read locked.
@@ -134,10 +140,9 @@ static struct tsp_data_sm *sm_alloc(struct tsp_tm *tm)
  */
 static int get_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
 {
-	if (sm->locked && sm->locked_index == i) {
-		*blk = sm->locked;
+	*blk = kept_bitmap(sm, i);
+	if (*blk)
 		return 0;
-	}
 	return tsp_tm_read_lock(sm->tm, sm->index[i].blocknr,
 				&tsp_bitmap_validator, blk);
 }
@@ -549,10 +554,9 @@ static int lock_bitmap(struct tsp_data_sm *sm, u64 i, struct tsp_block **blk)
 	bool inc;
 	int r;
 
-	if (sm->locked && sm->locked_index == i) {
-		*blk = sm->locked;
+	*blk = kept_bitmap(sm, i);
+	if (*blk)
 		return 0;
-	}
 	tsp_data_sm_unlock(sm);
 	r = tsp_tm_shadow_block(sm->tm, ie->blocknr, &tsp_bitmap_validator,
 				blk, &inc);
