@@ -42,7 +42,10 @@
  * held for writing, freed after a grace period) and snapshotted_time is
  * also read with READ_ONCE().  Public functions take it (shared for
  * lookups, exclusive for updates) and call a __name() helper that asserts
- * it is held.  Every function may sleep, except
+ * it is held.  A provision leaves its device's btree cursor kept, its
+ * leaf write locked till the next provision (readers may share it):
+ * anything else that takes @root_lock for writing parks it first
+ * (lock_for_update()).  Every function may sleep, except
  * tsp_thin_find_block_fast(), which takes no lock.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
@@ -117,6 +120,12 @@ struct tsp_pool_metadata {
 
 	struct tsp_thin_device *devices;	/* opened or changed */
 	/*
+	 * The device whose cursor may be kept (its leaf write locked: see
+	 * struct tsp_thin_device), or NULL: parked by anything that takes
+	 * @root_lock for writing but a provision (lock_for_update()).
+	 */
+	struct tsp_thin_device *kept;
+	/*
 	 * Bumped by every change that may move a device's mapping tree
 	 * root other than that device's own mapping updates, and by every
 	 * commit and abort: it makes the roots open devices remember
@@ -150,11 +159,12 @@ struct tsp_thin_device {
 	u64 root_gen;
 
 	/*
-	 * Parked at the leaf of the last block provisioned, so that the
-	 * next one of a device written in order goes straight into it.
-	 * Kept only while @root is valid and only provisions change the
-	 * tree: __device_root_for_update() releases it for any other
-	 * change.
+	 * At the leaf of the last block provisioned, so that the next one
+	 * of a device written in order goes straight into it.  Kept (the
+	 * leaf write locked, readers may share it) from one provision to
+	 * the next, for one device at a time (@pmd->kept); parked, else.
+	 * Valid only while @root is and only provisions change the tree:
+	 * __device_root_for_update() releases it for any other change.
 	 */
 	struct tsp_btree_cursor cursor;
 
@@ -296,6 +306,23 @@ static void setup_btree_infos(struct tsp_pool_metadata *pmd)
 
 	pmd->details_info.tm = pmd->tm;
 	pmd->details_info.vt.size = sizeof(struct disk_device_details);
+}
+
+/*----------------------------------------------------------------
+ * Locking
+ *--------------------------------------------------------------*/
+/*
+ * Take @root_lock for writing, for anything but a provision: the kept
+ * cursor (see struct tsp_btree_cursor) is parked, so that the update may
+ * lock its leaf, change or share its tree, or commit.
+ */
+static void lock_for_update(struct tsp_pool_metadata *pmd)
+{
+	down_write(&pmd->root_lock);
+	if (pmd->kept) {
+		tsp_btree_cursor_park(&pmd->kept->cursor);
+		pmd->kept = NULL;
+	}
 }
 
 /*----------------------------------------------------------------
@@ -505,7 +532,7 @@ int tsp_pool_metadata_open(struct block_device *bdev, sector_t data_block_size,
 			      (unsigned long long)data_block_size);
 			r = -EINVAL;
 		} else {
-			down_write(&pmd->root_lock);
+			lock_for_update(pmd);
 			r = format_metadata(pmd, nr_data_blocks);
 			up_write(&pmd->root_lock);
 		}
@@ -620,7 +647,7 @@ static int __commit_transaction(struct tsp_pool_metadata *pmd)
 /* Every update goes through here: refuse if read only or failed. */
 static int begin_update(struct tsp_pool_metadata *pmd)
 {
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	if (pmd->fail_io || pmd->read_only) {
 		up_write(&pmd->root_lock);
 		return -EPERM;
@@ -691,7 +718,7 @@ int tsp_pool_commit_metadata_hold_freed(struct tsp_pool_metadata *pmd)
  */
 void tsp_pool_release_held_blocks(struct tsp_pool_metadata *pmd)
 {
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	if (pmd->data_sm)
 		tsp_data_sm_release_held(pmd->data_sm);
 	up_write(&pmd->root_lock);
@@ -805,7 +832,7 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
 {
 	int r;
 
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	r = pmd->read_only ? -EPERM : __abort(pmd);
 	up_write(&pmd->root_lock);
 	return r;
@@ -831,7 +858,7 @@ int tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd)
 {
 	int r = 0;
 
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	if (!pmd->read_only) {
 		r = __abort(pmd);
 		if (!r) {
@@ -858,7 +885,7 @@ int tsp_pool_metadata_close(struct tsp_pool_metadata *pmd)
 	struct tsp_thin_device *td;
 	int r = 0;
 
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	for (td = pmd->devices; td; td = td->next) {
 		if (td->open_count) {
 			up_write(&pmd->root_lock);
@@ -1293,7 +1320,7 @@ int tsp_pool_open_thin_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 {
 	int r;
 
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	r = pmd->fail_io ? -EPERM : __open_device(pmd, dev, td);
 	up_write(&pmd->root_lock);
 	return r;
@@ -1303,7 +1330,7 @@ void tsp_pool_close_thin_device(struct tsp_thin_device *td)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	__close_device(td);
 	up_write(&pmd->root_lock);
 }
@@ -1517,7 +1544,7 @@ int tsp_pool_metadata_set_cache_budget(struct tsp_pool_metadata *pmd,
 	r = tsp_mc_create(budget, &mc);
 	if (r)
 		return r;
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	old = __cache(pmd);
 	rcu_assign_pointer(pmd->cache, mc);
 	up_write(&pmd->root_lock);
@@ -1609,13 +1636,24 @@ int tsp_pool_release_data_block(struct tsp_pool_metadata *pmd, tsp_block_t b)
 	return end_update(pmd, tsp_data_sm_dec(pmd->data_sm, b));
 }
 
+/* Keep @td's cursor till the next provision, parking the one kept so far. */
+static void __keep_cursor(struct tsp_thin_device *td)
+{
+	struct tsp_pool_metadata *pmd = td->pmd;
+
+	if (pmd->kept && pmd->kept != td)
+		tsp_btree_cursor_park(&pmd->kept->cursor);
+	tsp_btree_cursor_keep(&td->cursor);
+	pmd->kept = td;
+}
+
 /*
  * Map @virt of @td to @data at @time.  If @virt is mapped already: with
  * @overwrite the old mapping is replaced (and its block dec'ed), without
  * it nothing changes and -EEXIST is returned.  An overwriting insert goes
  * through @cursor, which a batch keeps from one insert to the next, if
  * not NULL; one that must not overwrite (a provision) goes through
- * @td's own cursor, parked between provisions.
+ * @td's own cursor, kept between provisions.
  */
 static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 			  tsp_block_t data, u32 time, bool overwrite,
@@ -1645,7 +1683,7 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 		r = tsp_btree_insert_new_at(&td->cursor, old, virt, &value,
 					    &root);
 		if (!r || r == -EEXIST)
-			tsp_btree_cursor_park(&td->cursor);
+			__keep_cursor(td);
 		else
 			tsp_btree_cursor_release(&td->cursor);
 	}
@@ -2072,7 +2110,7 @@ int tsp_pool_resize_metadata_dev(struct tsp_pool_metadata *pmd,
 
 void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd)
 {
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	__set_read_only(pmd);
 	up_write(&pmd->root_lock);
 }
@@ -2083,7 +2121,7 @@ void tsp_pool_metadata_read_only(struct tsp_pool_metadata *pmd)
  */
 void tsp_pool_metadata_read_write(struct tsp_pool_metadata *pmd)
 {
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	pmd->read_only = false;
 	tsp_bm_set_read_write(pmd->bm);
 	up_write(&pmd->root_lock);
@@ -2093,7 +2131,7 @@ int tsp_pool_metadata_set_needs_check(struct tsp_pool_metadata *pmd)
 {
 	int r;
 
-	down_write(&pmd->root_lock);
+	lock_for_update(pmd);
 	pmd->flags |= THIN_NEEDS_CHECK_FLAG;
 	if (pmd->fail_io || pmd->read_only) {
 		r = -EPERM;

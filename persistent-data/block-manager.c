@@ -32,7 +32,10 @@
  * held for writing), which is what makes the pin table safe to use
  * without a lock of its own.  A block kept write locked beyond that (the
  * data space map's last bitmap) stays in the pin table untouched: no pin
- * drop takes a write locked block's slot.  Readers may share a buffer:
+ * drop takes a write locked block's slot.  A kept block (tsp_bm_keep())
+ * is read locked and unlocked as any other by its readers, who take
+ * holds of their own; its writer does not touch it meanwhile.  Readers
+ * may share a buffer:
  * the first to lock it after it was read from disk checks it, and two of
  * them may do so at once, each storing the same validator.
  */
@@ -53,6 +56,7 @@ struct tsp_block_manager {
 struct bm_aux {
 	const struct tsp_block_validator *validator;	/* NULL: unchecked */
 	bool write_locked;
+	bool kept;		/* write locked, readers may share it */
 	bool pinned;		/* in the pin table, holding a hold of its own */
 	bool dirty;		/* pinned, written, not yet marked dirty */
 };
@@ -74,6 +78,7 @@ static void bm_alloc_callback(struct dm_buffer *buf)
 
 	aux->validator = NULL;
 	aux->write_locked = false;
+	aux->kept = false;
 	aux->pinned = false;
 	aux->dirty = false;
 }
@@ -266,7 +271,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		return PTR_ERR(p);
 
 	aux = buffer_aux(buf);
-	if (aux->write_locked) {
+	if (aux->write_locked && (write || !aux->kept)) {
 		/* Corrupt metadata: a block that points to itself, say. */
 		DMERR("metadata block %llu is already write locked",
 		      (unsigned long long)b);
@@ -363,7 +368,7 @@ void tsp_bm_unlock(struct tsp_block *b)
 	struct dm_buffer *buf = to_buffer(b);
 	struct bm_aux *aux = buffer_aux(buf);
 
-	if (aux->write_locked) {
+	if (aux->write_locked && !aux->kept) {
 		aux->write_locked = false;
 		if (aux->pinned) {
 			aux->dirty = true;
@@ -372,6 +377,34 @@ void tsp_bm_unlock(struct tsp_block *b)
 		dm_bufio_mark_buffer_dirty(buf);
 	}
 	dm_bufio_release(buf);
+}
+
+/**
+ * tsp_bm_keep - let readers share a block its writer keeps write locked
+ * @b: a write locked block
+ *
+ * Until tsp_bm_unkeep(), @b may be read locked (and unlocked) as if it
+ * were not write locked: its writer promises not to change it meanwhile,
+ * and to unkeep it before it changes or unlocks it.  For a writer that
+ * changes one block again and again, so that it need not unlock and
+ * relock it in between, while readers come and go; it still has to be
+ * unlocked before a flush.
+ */
+void tsp_bm_keep(struct tsp_block *b)
+{
+	struct bm_aux *aux = buffer_aux(to_buffer(b));
+
+	WARN_ON_ONCE(!aux->write_locked);
+	aux->kept = true;
+}
+
+/**
+ * tsp_bm_unkeep - take a kept block back for its writer
+ * @b: a block kept with tsp_bm_keep(), whose readers have all unlocked it
+ */
+void tsp_bm_unkeep(struct tsp_block *b)
+{
+	buffer_aux(to_buffer(b))->kept = false;
 }
 
 /**

@@ -13,8 +13,10 @@
  * reader about; the metadata layer above guarantees that by holding its
  * own lock, for writing, over all of them.  A holder may keep a block
  * write locked beyond that (the data space map's last bitmap), if no one
- * reads it through the block manager meanwhile and it is unlocked before
- * a flush, forget or read only.  Every function may sleep.
+ * reads it through the block manager meanwhile, or if it marks the block
+ * kept (tsp_bm_keep(), a btree cursor's leaf), which readers may share;
+ * either way it is unlocked before a flush, forget or read only.  Every
+ * function may sleep.
  */
 #ifndef TSP_BLOCK_MANAGER_H
 #define TSP_BLOCK_MANAGER_H
@@ -67,6 +69,8 @@ int __must_check tsp_bm_lock_cached(struct tsp_block_manager *bm,
 				    const struct tsp_block_validator *v,
 				    bool write, struct tsp_block **result);
 void tsp_bm_unlock(struct tsp_block *b);
+void tsp_bm_keep(struct tsp_block *b);
+void tsp_bm_unkeep(struct tsp_block *b);
 
 int __must_check tsp_bm_flush(struct tsp_block_manager *bm);
 void tsp_bm_forget(struct tsp_block_manager *bm, tsp_block_t b);

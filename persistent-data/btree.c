@@ -717,12 +717,22 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 			inserted ? inserted : &dummy, NULL);
 }
 
+/* A kept leaf is the cursor's alone again: see tsp_btree_cursor_keep(). */
+static void take_back(struct tsp_btree_cursor *cursor)
+{
+	if (cursor->kept) {
+		tsp_bm_unkeep(cursor->leaf);
+		cursor->kept = false;
+	}
+}
+
 /**
  * tsp_btree_cursor_release - unlock and forget a cursor's leaf
  * @cursor: the cursor
  */
 void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor)
 {
+	take_back(cursor);
 	if (cursor->leaf) {
 		tsp_tm_unlock(cursor->info->tm, cursor->leaf);
 		cursor->leaf = NULL;
@@ -736,10 +746,23 @@ void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor)
  */
 void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor)
 {
+	take_back(cursor);
 	if (cursor->leaf) {
 		cursor->parked = tsp_block_location(cursor->leaf);
 		tsp_tm_unlock(cursor->info->tm, cursor->leaf);
 		cursor->leaf = NULL;
+	}
+}
+
+/**
+ * tsp_btree_cursor_keep - keep the cursor's leaf locked, readable by others
+ * @cursor: the cursor
+ */
+void tsp_btree_cursor_keep(struct tsp_btree_cursor *cursor)
+{
+	if (cursor->leaf && !cursor->kept) {
+		tsp_bm_keep(cursor->leaf);
+		cursor->kept = true;
 	}
 }
 
@@ -786,6 +809,7 @@ static int cursor_leaf(struct tsp_btree_cursor *cursor, tsp_block_t root,
 {
 	int r = 1;
 
+	take_back(cursor);
 	if (root == cursor->root && key >= cursor->lo && key < cursor->hi) {
 		r = cursor->parked ? unpark(cursor) : !cursor->leaf;
 		if (!r && nr_entries(node_of(cursor->leaf)) ==

@@ -89,6 +89,7 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
  * @hi: the lowest separator key past @leaf on the way down, or U64_MAX
  *	(that key itself always takes a walk)
  * @parked: where the leaf is while the cursor is parked, else 0
+ * @kept: @leaf is kept (tsp_btree_cursor_keep()): readers may share it
  * @hits: inserts that went straight into the leaf, without a walk
  *
  * Start with TSP_BTREE_CURSOR(info).  Release it before anything else
@@ -106,6 +107,12 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
  * (tsp_tm_relock_shadow()), not what points to it, nor whether its
  * block was freed and used again.  Parked across the end of its
  * transaction, it finds the leaf committed and walks down instead.
+ *
+ * Or a cursor may be kept (tsp_btree_cursor_keep()) between updates: its
+ * leaf stays write locked, which saves the next insert the lock, but
+ * readers may read the tree meanwhile, the leaf too.  A kept cursor must
+ * be parked or released before anything else updates its tree or shares
+ * it, and before a commit: it is written in place whatever happened.
  */
 struct tsp_btree_cursor {
 	struct tsp_btree_info *info;
@@ -113,6 +120,7 @@ struct tsp_btree_cursor {
 	tsp_block_t root;
 	u64 lo, hi;
 	tsp_block_t parked;
+	bool kept;
 	u64 hits;
 };
 
@@ -175,6 +183,16 @@ void tsp_btree_cursor_release(struct tsp_btree_cursor *cursor);
  * what the owner must release it for.
  */
 void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor);
+
+/**
+ * tsp_btree_cursor_keep - keep the cursor's leaf write locked between inserts
+ * @cursor: the cursor
+ *
+ * Readers may lock the leaf until the cursor is used again, parked or
+ * released, whichever comes first; see struct tsp_btree_cursor for what
+ * the owner must park or release it for.
+ */
+void tsp_btree_cursor_keep(struct tsp_btree_cursor *cursor);
 
 /* Remove @key (dec'ing its value); -ENODATA if absent. */
 int __must_check tsp_btree_remove(struct tsp_btree_info *info, tsp_block_t root,

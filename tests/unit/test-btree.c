@@ -1462,16 +1462,18 @@ static void release_cursors(struct tsp_btree_cursor *cursors, unsigned int nr)
 }
 
 /*
- * Parked cursors (tsp_btree_cursor_park()), one per tree, as the
- * metadata keeps one per thin device: runs of nearby keys, up or down,
- * with jumps, into a half full tree, its snapshot and a third tree, each
- * key through its tree's cursor (tsp_btree_insert_new_at(); some are
- * present already), the cursor parked after every insert.  Meanwhile
- * lookups in any tree, and plain inserts and range removals in a tree
- * whose cursor is released first, as the rule for any change the cursor
- * does not make says.  Commits release the cursors first, but for some:
- * a cursor parked across a commit finds its leaf committed, no longer
- * writable in place, and walks down instead.
+ * Parked (tsp_btree_cursor_park()) and kept (tsp_btree_cursor_keep())
+ * cursors, one per tree, as the metadata keeps one per thin device: runs
+ * of nearby keys, up or down, with jumps, into a half full tree, its
+ * snapshot and a third tree, each key through its tree's cursor
+ * (tsp_btree_insert_new_at(); some are present already), the cursor
+ * parked or kept after every insert.  Meanwhile lookups in any tree (of
+ * a kept leaf too), and plain inserts and range removals in a tree whose
+ * cursor is released first, as the rule for any change the cursor does
+ * not make says.  Commits park or release the cursors first (a kept
+ * leaf would miss the flush), but some stay parked: a cursor parked
+ * across a commit finds its leaf committed, no longer writable in place,
+ * and walks down instead.
  */
 static void test_parked_cursor(const struct vt_config *vt)
 {
@@ -1485,7 +1487,7 @@ static void test_parked_cursor(const struct vt_config *vt)
 	u64 hits = 0, nr_inserts = 0;
 	char name[128];
 
-	snprintf(name, sizeof(name), "parked cursor %s", vt->name);
+	snprintf(name, sizeof(name), "parked and kept cursors %s", vt->name);
 	phase = name;
 	key_stride = 1;
 	for (o = 0; o < ARRAY_SIZE(cursors); o++)
@@ -1503,7 +1505,14 @@ static void test_parked_cursor(const struct vt_config *vt)
 		for (j = 0; j < run.len; j++) {
 			CHECK_R(op_insert_new_at(c, &cursors[ti], &t[ti], slot,
 						 (u32)rnd_below(NV)), 0);
-			tsp_btree_cursor_park(&cursors[ti]);
+			if (chance(50)) {
+				tsp_btree_cursor_keep(&cursors[ti]);
+				/* A reader of the kept leaf itself. */
+				if (chance(10))
+					CHECK_R(op_lookup(c, &t[ti], key_of(slot)), 0);
+			} else {
+				tsp_btree_cursor_park(&cursors[ti]);
+			}
 			nr_inserts++;
 			slot = run_next(&run, slot);
 			if (chance(5))
@@ -1524,6 +1533,8 @@ static void test_parked_cursor(const struct vt_config *vt)
 		if (k % 100 == 0) {
 			if (chance(50))
 				release_cursors(cursors, ARRAY_SIZE(cursors));
+			for (o = 0; o < ARRAY_SIZE(cursors); o++)
+				tsp_btree_cursor_park(&cursors[o]);
 			commit(c);
 		}
 	}
@@ -1534,12 +1545,12 @@ static void test_parked_cursor(const struct vt_config *vt)
 	check_all_freed(c);
 	commit(c);
 
-	/* Most inserts of a run went straight into a parked cursor's leaf. */
+	/* Most inserts of a run went straight into the cursor's leaf. */
 	for (o = 0; o < ARRAY_SIZE(cursors); o++)
 		hits += cursors[o].hits;
 	CHECK(hits > nr_inserts / 2);
 	ctx_destroy(c);
-	printf("ok   %s (%u runs, %llu of %llu inserts into a parked leaf)\n",
+	printf("ok   %s (%u runs, %llu of %llu inserts into a parked or kept leaf)\n",
 	       name, nr_runs, (unsigned long long)hits,
 	       (unsigned long long)nr_inserts);
 }

@@ -1324,7 +1324,8 @@ static void replace_device(struct tsp_pool_metadata *pmd,
  * down the tree again.  Runs of provisions in order, each after one of:
  * a snapshot in the same transaction (whose mappings must not change),
  * other inserts of the next keys, a range removal that frees the
- * cursor's leaf, a commit.  On a new device, inserts that split the
+ * cursor's leaf, a commit, provisions of another device in turn (one
+ * device's cursor is kept at a time).  On a new device, inserts that split the
  * root leaf (which the cursor holds); on another, a range removal that
  * moves the lower keys of the cursor's leaf to its sibling.  Every
  * device must map what its model says; then tsp_pool_check() and
@@ -1366,6 +1367,13 @@ static void test_provision_cursor(void)
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 	provision_run(tds[0], models[0], 3200, 3300);
 	provision_run(tds[1], models[1], 3200, 3300);
+	check_models(tds, models, 2);
+
+	/* Two devices in turn: each provision parks the other's cursor. */
+	for (v = 3300; v < 3600; v++) {
+		models[0][v] = provision_any(tds[0], v) + 1;
+		models[1][v] = provision_any(tds[1], v) + 1;
+	}
 	check_models(tds, models, 2);
 
 	/* A leaf that is the root becomes an internal node when it splits. */
