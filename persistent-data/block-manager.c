@@ -384,11 +384,11 @@ void tsp_bm_unlock(struct tsp_block *b)
  * @b: a write locked block
  *
  * Until tsp_bm_unkeep(), @b may be read locked (and unlocked) as if it
- * were not write locked: its writer promises not to change it meanwhile,
- * and to unkeep it before it changes or unlocks it.  For a writer that
- * changes one block again and again, so that it need not unlock and
- * relock it in between, while readers come and go; it still has to be
- * unlocked before a flush.
+ * were not write locked.  Its writer changes it only while no reader
+ * holds it (the caller's lock sees to that), and unkeeps it before it
+ * unlocks it.  For a writer that changes one block again and again, so
+ * that it need not unlock and relock it in between, while readers come
+ * and go; it still has to be unlocked before a flush.
  */
 void tsp_bm_keep(struct tsp_block *b)
 {
@@ -399,7 +399,7 @@ void tsp_bm_keep(struct tsp_block *b)
 }
 
 /**
- * tsp_bm_unkeep - take a kept block back for its writer
+ * tsp_bm_unkeep - take a kept block back for its writer, to unlock it
  * @b: a block kept with tsp_bm_keep(), whose readers have all unlocked it
  */
 void tsp_bm_unkeep(struct tsp_block *b)

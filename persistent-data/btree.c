@@ -717,7 +717,7 @@ int tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 			inserted ? inserted : &dummy, NULL);
 }
 
-/* A kept leaf is the cursor's alone again: see tsp_btree_cursor_keep(). */
+/* A kept leaf is no longer readable by others, before it is unlocked. */
 static void take_back(struct tsp_btree_cursor *cursor)
 {
 	if (cursor->kept) {
@@ -809,17 +809,15 @@ static int cursor_leaf(struct tsp_btree_cursor *cursor, tsp_block_t root,
 {
 	int r = 1;
 
-	take_back(cursor);
 	if (root == cursor->root && key >= cursor->lo && key < cursor->hi) {
 		r = cursor->parked ? unpark(cursor) : !cursor->leaf;
-		if (!r && nr_entries(node_of(cursor->leaf)) ==
-			   max_entries(node_of(cursor->leaf)))
-			r = 1;
+		if (!r) {
+			*leaf = node_of(cursor->leaf);
+			r = nr_entries(*leaf) == max_entries(*leaf);
+		}
 	}
 	if (r)
 		tsp_btree_cursor_release(cursor);
-	else
-		*leaf = node_of(cursor->leaf);
 	return r;
 }
 

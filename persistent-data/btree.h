@@ -108,11 +108,12 @@ int __must_check tsp_btree_insert(struct tsp_btree_info *info, tsp_block_t root,
  * block was freed and used again.  Parked across the end of its
  * transaction, it finds the leaf committed and walks down instead.
  *
- * Or a cursor may be kept (tsp_btree_cursor_keep()) between updates: its
- * leaf stays write locked, which saves the next insert the lock, but
- * readers may read the tree meanwhile, the leaf too.  A kept cursor must
- * be parked or released before anything else updates its tree or shares
- * it, and before a commit: it is written in place whatever happened.
+ * Or a cursor may be kept (tsp_btree_cursor_keep()) from one update to
+ * the next, and on: its leaf stays write locked, which saves the next
+ * insert the lock, but readers may read the tree in between, the leaf
+ * too.  A kept cursor must be parked or released before anything else
+ * updates its tree or shares it, and before a commit: it is written in
+ * place whatever happened.
  */
 struct tsp_btree_cursor {
 	struct tsp_btree_info *info;
@@ -188,9 +189,9 @@ void tsp_btree_cursor_park(struct tsp_btree_cursor *cursor);
  * tsp_btree_cursor_keep - keep the cursor's leaf write locked between inserts
  * @cursor: the cursor
  *
- * Readers may lock the leaf until the cursor is used again, parked or
- * released, whichever comes first; see struct tsp_btree_cursor for what
- * the owner must park or release it for.
+ * Readers may lock the leaf between inserts through the cursor, until it
+ * is parked or released; see struct tsp_btree_cursor for what the owner
+ * must park or release it for.  Keeping a kept cursor changes nothing.
  */
 void tsp_btree_cursor_keep(struct tsp_btree_cursor *cursor);
 
