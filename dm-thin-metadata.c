@@ -644,7 +644,11 @@ static int __commit_transaction(struct tsp_pool_metadata *pmd)
 	return r;
 }
 
-/* Every update goes through here: refuse if read only or failed. */
+/*
+ * Every update but a provision in no-wait mode goes through here: refuse
+ * if read only or failed.  Where no-wait mode allocated a metadata block
+ * (to split a node), or wanted one, the next few are made ready for it.
+ */
 static int begin_update(struct tsp_pool_metadata *pmd)
 {
 	lock_for_update(pmd);
@@ -652,6 +656,7 @@ static int begin_update(struct tsp_pool_metadata *pmd)
 		up_write(&pmd->root_lock);
 		return -EPERM;
 	}
+	tsp_tm_prepare_new_blocks(pmd->tm);
 	return 0;
 }
 
@@ -1832,9 +1837,10 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
  * that metadata IO issued there would not start before the map function
  * returned.  It takes @root_lock only if no one holds it, and runs the
  * transaction manager in no-wait mode: the update is refused if it needs
- * a block that is not cached, a block copied or allocated (the first
- * change to a node or bitmap after a commit, a split), or a search of
- * the space map's bitmaps beyond the cache.
+ * a block that is not cached, a block copied (the first change to a node
+ * or bitmap after a commit), a new block beyond those the last blocking
+ * update prepared (for a split), or a search of the space map's bitmaps
+ * beyond the cache.
  *
  * Context: may sleep (dm-bufio's lock), but waits for no IO and no holder
  * of @root_lock.
@@ -1842,7 +1848,8 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
  * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if @keep_free stood
  * in the way, the update was refused (@virt may be mapped: the way to its
  * leaf is not known without the update's walk), @root_lock was held or
- * the metadata is read only or failed (nothing changed in these cases);
+ * the metadata is read only or failed (no mapping changed in these cases;
+ * a node on the way may have been split);
  * or another error, which fails the metadata as any update's would.
  */
 int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,

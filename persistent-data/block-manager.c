@@ -233,6 +233,7 @@ enum bm_source {
 	BM_READ,	/* the cache, else the device */
 	BM_CACHED,	/* the cache only: -EWOULDBLOCK if it is not there */
 	BM_ZERO,	/* nowhere: the block starts zeroed */
+	BM_CACHED_ZERO,	/* as BM_ZERO, if its buffer is cached (BM_CACHED) */
 };
 
 static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
@@ -261,7 +262,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 		p = dm_bufio_get_block_data(buf);
 	else if (source == BM_ZERO)
 		p = dm_bufio_new(bm->bufio, b, &buf);
-	else if (source == BM_CACHED)
+	else if (source == BM_CACHED || source == BM_CACHED_ZERO)
 		p = dm_bufio_get(bm->bufio, b, &buf);
 	else
 		p = dm_bufio_read(bm->bufio, b, &buf);
@@ -279,7 +280,7 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 			dm_bufio_release(buf);
 		return -EILSEQ;
 	}
-	if (source == BM_ZERO) {
+	if (source == BM_ZERO || source == BM_CACHED_ZERO) {
 		memset(p, 0, TSP_METADATA_BLOCK_SIZE);
 		WRITE_ONCE(aux->validator, v);
 	} else {
@@ -336,6 +337,54 @@ int tsp_bm_write_lock_zero(struct tsp_block_manager *bm, tsp_block_t b,
 			   struct tsp_block **result)
 {
 	return bm_lock(bm, b, v, true, BM_ZERO, result);
+}
+
+/**
+ * tsp_bm_write_lock_zero_cached - tsp_bm_write_lock_zero(), without waiting
+ * @bm: block manager
+ * @b: block number
+ * @v: the kind of block it becomes
+ * @result: the locked block; release with tsp_bm_unlock()
+ *
+ * For a block whose buffer tsp_bm_prepare_zero() put in the cache: it
+ * issues and waits for no IO, and allocates no buffer, so it may be
+ * called where metadata IO cannot complete.
+ *
+ * Context: may sleep (dm-bufio's lock).  Return: 0, -EWOULDBLOCK if the
+ * block's buffer is not cached (any more), or -EPERM when read only.
+ */
+int tsp_bm_write_lock_zero_cached(struct tsp_block_manager *bm, tsp_block_t b,
+				  const struct tsp_block_validator *v,
+				  struct tsp_block **result)
+{
+	return bm_lock(bm, b, v, true, BM_CACHED_ZERO, result);
+}
+
+/**
+ * tsp_bm_prepare_zero - get a buffer for a block that will be written new
+ * @bm: block manager
+ * @b: a block that is not in use, and nobody reads
+ *
+ * Puts a buffer for @b in the cache without reading it, for
+ * tsp_bm_write_lock_zero_cached() to take later, if dm-bufio has not
+ * evicted it by then; its contents until then are undefined.  Nothing
+ * happens if @b is cached already.
+ *
+ * Context: may sleep and wait for IO (dm-bufio may have to write another
+ * buffer out to make room).  Return: 0 or -ENOMEM.
+ */
+int tsp_bm_prepare_zero(struct tsp_block_manager *bm, tsp_block_t b)
+{
+	struct dm_buffer *buf;
+	void *p;
+
+	if (b >= tsp_bm_nr_blocks(bm))
+		return -EINVAL;
+	p = dm_bufio_new(bm->bufio, b, &buf);
+	if (IS_ERR(p))
+		return PTR_ERR(p);
+	dm_bufio_release(buf);
+	return 0;
 }
 
 /**

@@ -68,6 +68,11 @@ int __must_check tsp_bm_lock_cached(struct tsp_block_manager *bm,
 				    tsp_block_t b,
 				    const struct tsp_block_validator *v,
 				    bool write, struct tsp_block **result);
+int __must_check tsp_bm_write_lock_zero_cached(struct tsp_block_manager *bm,
+					       tsp_block_t b,
+					       const struct tsp_block_validator *v,
+					       struct tsp_block **result);
+int tsp_bm_prepare_zero(struct tsp_block_manager *bm, tsp_block_t b);
 void tsp_bm_unlock(struct tsp_block *b);
 void tsp_bm_keep(struct tsp_block *b);
 void tsp_bm_unkeep(struct tsp_block *b);

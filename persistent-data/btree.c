@@ -420,8 +420,11 @@ static int split_beneath(struct tsp_btree_info *info, struct tsp_block *root)
 		return r;
 	r = new_node_with(info, n, nr_left, nr - nr_left, &right);
 	if (r) {
+		/* Refused in no-wait mode, say: give the first one back. */
+		tsp_block_t b = tsp_block_location(left);
+
 		tsp_tm_unlock(info->tm, left);
-		return r;
+		return tsp_tm_dec(info->tm, b) ?: r;
 	}
 
 	node_init(n, false, sizeof(__le64));

@@ -208,6 +208,24 @@ int tsp_msm_dec(struct tsp_metadata_sm *sm, tsp_block_t b)
 	return 0;
 }
 
+/*
+ * Fill @blocks with the first @nr allocatable blocks from the allocation
+ * hint on, in the order new blocks are handed out; return how many.
+ */
+static unsigned int next_free(struct tsp_metadata_sm *sm, tsp_block_t *blocks,
+			      unsigned int nr)
+{
+	tsp_block_t i, candidate;
+	unsigned int found = 0;
+
+	for (i = 0; i < sm->nr_blocks && found < nr; i++) {
+		candidate = (sm->alloc_hint + i) % sm->nr_blocks;
+		if (!sm->counts[candidate] && !sm->committed[candidate])
+			blocks[found++] = candidate;
+	}
+	return found;
+}
+
 /**
  * tsp_msm_new_block - allocate a metadata block
  * @sm: space map
@@ -217,18 +235,26 @@ int tsp_msm_dec(struct tsp_metadata_sm *sm, tsp_block_t b)
  */
 int tsp_msm_new_block(struct tsp_metadata_sm *sm, tsp_block_t *b)
 {
-	tsp_block_t i, candidate;
+	if (!next_free(sm, b, 1))
+		return -ENOSPC;
+	set_count(sm, *b, 1);
+	sm->alloc_hint = *b + 1;
+	return 0;
+}
 
-	for (i = 0; i < sm->nr_blocks; i++) {
-		candidate = (sm->alloc_hint + i) % sm->nr_blocks;
-		if (!sm->counts[candidate] && !sm->committed[candidate]) {
-			set_count(sm, candidate, 1);
-			sm->alloc_hint = candidate + 1;
-			*b = candidate;
-			return 0;
-		}
-	}
-	return -ENOSPC;
+/**
+ * tsp_msm_peek_new_blocks - the blocks the next allocations will hand out
+ * @sm: space map
+ * @blocks: out, @nr of them at most
+ * @nr: how many to look for
+ *
+ * In the order tsp_msm_new_block() hands them out, if nothing is freed
+ * meanwhile.  Changes nothing.  Returns how many were found.
+ */
+unsigned int tsp_msm_peek_new_blocks(struct tsp_metadata_sm *sm,
+				     tsp_block_t *blocks, unsigned int nr)
+{
+	return next_free(sm, blocks, nr);
 }
 
 /* Grow to @nr_blocks; the new bitmaps are written at the next commit. */

@@ -33,6 +33,8 @@ bool tsp_msm_is_new(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_inc(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_dec(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_new_block(struct tsp_metadata_sm *sm, tsp_block_t *b);
+unsigned int tsp_msm_peek_new_blocks(struct tsp_metadata_sm *sm,
+				     tsp_block_t *blocks, unsigned int nr);
 int __must_check tsp_msm_extend(struct tsp_metadata_sm *sm, tsp_block_t nr_blocks);
 
 struct tsp_index_entry;

@@ -15,8 +15,11 @@
  * No-wait mode (tsp_tm_set_nowait()), for updates made where metadata
  * IO cannot be waited for: only blocks in the cache are locked, only
  * blocks already written in this transaction are shadowed (in place), and
- * no block is allocated; anything else fails with -EWOULDBLOCK before it
- * changes anything.
+ * a new block is allocated only if its buffer was prepared in the cache
+ * beforehand (tsp_tm_prepare_new_blocks()); anything else fails with
+ * -EWOULDBLOCK before it changes anything.  (A btree insert refused on
+ * its way down may have split a node above: a change complete in itself,
+ * which maps nothing new.)
  *
  * Locking: none; the caller serialises every call.
  */
@@ -33,7 +36,12 @@ struct tsp_tm {
 	struct tsp_metadata_sm *sm;
 	tsp_block_t sb_location;
 	bool nowait;
+	/* No-wait mode allocated or wanted a block since the last prepare. */
+	bool prepare;
 };
+
+/* New blocks no-wait mode may allocate between two prepares. */
+#define PREPARED_BLOCKS 16
 
 static tsp_block_t usable_blocks(struct tsp_block_manager *bm)
 {
@@ -180,15 +188,43 @@ int tsp_tm_new_block(struct tsp_tm *tm, const struct tsp_block_validator *v,
 	int r;
 
 	if (tm->nowait)
-		return -EWOULDBLOCK;
+		tm->prepare = true;
 	r = tsp_msm_new_block(tm->sm, &b);
 	if (r)
-		return r;
+		return tm->nowait ? -EWOULDBLOCK : r;
 
-	r = tsp_bm_write_lock_zero(tm->bm, b, v, result);
+	if (tm->nowait)
+		r = tsp_bm_write_lock_zero_cached(tm->bm, b, v, result);
+	else
+		r = tsp_bm_write_lock_zero(tm->bm, b, v, result);
 	if (r)
 		WARN_ON(tsp_msm_dec(tm->sm, b));
 	return r;
+}
+
+/**
+ * tsp_tm_prepare_new_blocks - let no-wait mode allocate new blocks
+ * @tm: transaction manager, not in no-wait mode
+ *
+ * If no-wait mode allocated a block, or wanted one, since the last call:
+ * puts the buffers of the next blocks the metadata space map will hand
+ * out in the cache, so that no-wait mode may allocate them (as long as
+ * nothing else allocates them first and dm-bufio keeps them).  Errors
+ * only mean later refusals, and are not reported.  Context: may sleep
+ * and wait for IO.
+ */
+void tsp_tm_prepare_new_blocks(struct tsp_tm *tm)
+{
+	tsp_block_t blocks[PREPARED_BLOCKS];
+	unsigned int i, nr;
+
+	if (!tm->prepare || WARN_ON_ONCE(tm->nowait))
+		return;
+	tm->prepare = false;
+	nr = tsp_msm_peek_new_blocks(tm->sm, blocks, ARRAY_SIZE(blocks));
+	for (i = 0; i < nr; i++)
+		if (tsp_bm_prepare_zero(tm->bm, blocks[i]))
+			break;
 }
 
 /*

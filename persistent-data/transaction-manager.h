@@ -82,8 +82,12 @@ int __must_check tsp_tm_pre_commit(struct tsp_tm *tm, void *sm_root);
 int __must_check tsp_tm_commit(struct tsp_tm *tm, struct tsp_block *superblock);
 
 void tsp_tm_set_nowait(struct tsp_tm *tm, bool nowait);
+void tsp_tm_prepare_new_blocks(struct tsp_tm *tm);
 
-/* Allocate a block (reference count 1) and write lock it, zeroed. */
+/*
+ * Allocate a block (reference count 1) and write lock it, zeroed.  In
+ * no-wait mode -EWOULDBLOCK unless the block was prepared.
+ */
 int __must_check tsp_tm_new_block(struct tsp_tm *tm,
 				  const struct tsp_block_validator *v,
 				  struct tsp_block **result);
