@@ -1728,7 +1728,8 @@ static bool __may_allocate(struct tsp_pool_metadata *pmd, tsp_block_t keep_free)
 
 /*
  * Allocate a data block and map @virt to it, unless @virt is mapped
- * (-EEXIST), or no more than @keep_free blocks would be left free
+ * (-EEXIST), or no more than @keep_free blocks would be left free, or
+ * no more than @metadata_keep_free metadata blocks are free
  * (-EWOULDBLOCK; also when the space map would have to recount, which
  * tsp_pool_alloc_data_block() does), in at most one walk of the mapping
  * tree;
@@ -1740,12 +1741,14 @@ static bool __may_allocate(struct tsp_pool_metadata *pmd, tsp_block_t keep_free)
  * would take references to data blocks, maybe counted in another bitmap.
  */
 static int __provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
-			      tsp_block_t keep_free, tsp_block_t *data)
+			      tsp_block_t keep_free,
+			      tsp_block_t metadata_keep_free, tsp_block_t *data)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	int r;
 
-	if (!__may_allocate(pmd, keep_free))
+	if (!__may_allocate(pmd, keep_free) ||
+	    tsp_tm_nr_free(pmd->tm) <= metadata_keep_free)
 		return -EWOULDBLOCK;
 	r = tsp_data_sm_reserve(pmd->data_sm, data);
 	if (r)
@@ -1829,6 +1832,9 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
  * @td: thin device
  * @virt: virtual block
  * @keep_free: as for tsp_thin_provision()
+ * @metadata_keep_free: do not map @virt if no more than this many
+ *	metadata blocks are free (the pool's metadata reserve: a split may
+ *	take some)
  * @data: out, on success only: the data block @virt is now mapped to
  *	(reference count 1)
  *
@@ -1845,15 +1851,16 @@ int tsp_thin_provision(struct tsp_thin_device *td, tsp_block_t virt,
  * Context: may sleep (dm-bufio's lock), but waits for no IO and no holder
  * of @root_lock.
  *
- * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if @keep_free stood
- * in the way, the update was refused (@virt may be mapped: the way to its
+ * Return: 0; -EEXIST if @virt is mapped; -EWOULDBLOCK if @keep_free or
+ * @metadata_keep_free stood in the way, the update was refused (@virt may be mapped: the way to its
  * leaf is not known without the update's walk), @root_lock was held or
  * the metadata is read only or failed (no mapping changed in these cases;
  * a node on the way may have been split);
  * or another error, which fails the metadata as any update's would.
  */
 int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
-			      tsp_block_t keep_free, tsp_block_t *data)
+			      tsp_block_t keep_free,
+			      tsp_block_t metadata_keep_free, tsp_block_t *data)
 {
 	struct tsp_pool_metadata *pmd = td->pmd;
 	int r;
@@ -1866,7 +1873,7 @@ int tsp_thin_provision_nowait(struct tsp_thin_device *td, tsp_block_t virt,
 	}
 
 	tsp_tm_set_nowait(pmd->tm, true);
-	r = __provision_nowait(td, virt, keep_free, data);
+	r = __provision_nowait(td, virt, keep_free, metadata_keep_free, data);
 	tsp_tm_set_nowait(pmd->tm, false);
 	return end_provision(pmd, r);
 }

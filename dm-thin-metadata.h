@@ -244,6 +244,7 @@ int __must_check tsp_thin_provision(struct tsp_thin_device *td,
 int __must_check tsp_thin_provision_nowait(struct tsp_thin_device *td,
 					   tsp_block_t virt,
 					   tsp_block_t keep_free,
+					   tsp_block_t metadata_keep_free,
 					   tsp_block_t *data);
 
 /* One mapping of a batch for tsp_pool_insert_mappings(). */

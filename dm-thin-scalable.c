@@ -325,6 +325,12 @@ struct pool {
 	tsp_block_t low_water_blocks;
 	bool low_water_triggered;		/* mode_lock */
 	bool metadata_low_water_triggered;
+	/*
+	 * The metadata reserve (metadata_reserve()) of the metadata device
+	 * as of the last resume: a provision in map leaves it free, so that
+	 * only the worker goes past it (and switches the pool's mode).
+	 */
+	tsp_block_t metadata_reserve_blocks;
 
 	struct epoch_counts __percpu *epoch;
 	unsigned int epoch_index;
@@ -2603,10 +2609,13 @@ static int grow_pool(struct pool_c *pt)
 
 	r = grow_space(pool, &data_space,
 		       div_u64(pt->ti->len, pool->sectors_per_block));
+	metadata_blocks = min_t(tsp_block_t, TSP_METADATA_MAX_BLOCKS,
+				metadata_blocks);
 	if (!r)
-		r = grow_space(pool, &metadata_space,
-			       min_t(tsp_block_t, TSP_METADATA_MAX_BLOCKS,
-				     metadata_blocks));
+		r = grow_space(pool, &metadata_space, metadata_blocks);
+	if (!r)
+		WRITE_ONCE(pool->metadata_reserve_blocks,
+			   metadata_reserve(metadata_blocks));
 	return r;
 }
 
@@ -3286,7 +3295,8 @@ static int map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
  * alone, the block's worker is between passes (it owns the block's jobs),
  * and the metadata can map the block without IO and without waiting for
  * its lock (tsp_thin_provision_nowait()), leaving more free blocks than
- * the low water mark (the worker raises the event).  Nothing may be
+ * the low water mark (the worker raises the event) and the metadata
+ * reserve free (the worker switches the pool's mode).  Nothing may be
  * waited for here that could wait for IO: bios issued under a bio
  * submission start only when the map function has returned, and a
  * worker's commit waits for the IO in flight.  Maps, then lets dm core
@@ -3311,6 +3321,7 @@ static bool provision_in_map(struct thin_c *tc, struct bio *bio,
 		return false;
 	r = find_job(w, tc, virt) ? -EBUSY :
 	    tsp_thin_provision_nowait(tc->td, virt, pool->low_water_blocks,
+				      READ_ONCE(pool->metadata_reserve_blocks),
 				      &data);
 	/* Before the worker may run a discard of the block. */
 	if (!r)

@@ -346,7 +346,7 @@ int main(int argc, char **argv)
 		t = start();
 		for (i = 0; i < n; i++) {
 			r = tsp_thin_provision_nowait(p.td, next_virt + virt[i],
-						      0, &data);
+						      0, 0, &data);
 			if (r == -EWOULDBLOCK) {
 				refused++;
 				insert(&p, next_virt + virt[i]);

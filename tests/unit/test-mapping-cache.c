@@ -1078,7 +1078,7 @@ static void expect_refused(struct pool *p, struct tsp_thin_device *td,
 	struct tsp_thin_lookup_result res;
 	tsp_block_t b;
 
-	CHECK_R(tsp_thin_provision_nowait(td, virt, 0, &b), -EWOULDBLOCK);
+	CHECK_R(tsp_thin_provision_nowait(td, virt, 0, 0, &b), -EWOULDBLOCK);
 	CHECK_R(nr_free(p), free_before);
 	CHECK_R(tsp_thin_find_block(td, virt, &res), -ENODATA);
 	FAST_MISS(td, virt);
@@ -1118,6 +1118,7 @@ static void test_provision_nowait(void)
 	unsigned int ok = 0, refused = 0, random_ok = 0, mapped_seen = 0, i;
 	struct tsp_thin_device *td, *snap;
 	tsp_block_t b, v, mapped, free_before;
+	struct tsp_pool_space space;
 	struct pool p;
 	int r;
 
@@ -1133,23 +1134,29 @@ static void test_provision_nowait(void)
 	/* Once a blocking update has copied them, no copy is needed. */
 	CHECK_R(provision_blocking(p.pmd, td, 0), 0);
 	for (v = 1; v < 100; v++) {
-		CHECK_R(tsp_thin_provision_nowait(td, v, 0, &b), 0);
+		CHECK_R(tsp_thin_provision_nowait(td, v, 0, 0, &b), 0);
 		CHECK_R(b, v);
 		FAST_HIT(td, v, b, false);
 	}
 	/* Mapped: nothing changes, and block 100 is still the next one. */
 	free_before = nr_free(&p);
-	CHECK_R(tsp_thin_provision_nowait(td, 5, 0, &b), -EEXIST);
-	CHECK_R(tsp_thin_provision_nowait(td, 99, 0, &b), -EEXIST);
+	CHECK_R(tsp_thin_provision_nowait(td, 5, 0, 0, &b), -EEXIST);
+	CHECK_R(tsp_thin_provision_nowait(td, 99, 0, 0, &b), -EEXIST);
 	CHECK_R(nr_free(&p), free_before);
 	CHECK_R(tsp_thin_find_block(td, 5, &res), 0);
 	CHECK_R(res.block, 5);
 	/* Not the block that would leave only @keep_free free. */
-	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 1, &b),
+	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 1, 0, &b),
 		-EWOULDBLOCK);
 	CHECK_R(tsp_thin_provision(td, 100, nr_free(&p) - 1, &res),
 		-EWOULDBLOCK);
-	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 2, &b), 0);
+	/* Nor where only @metadata_keep_free metadata blocks are free. */
+	CHECK_R(tsp_pool_get_space(p.pmd, &space), 0);
+	CHECK_R(tsp_thin_provision_nowait(td, 100, 0, space.metadata_free, &b),
+		-EWOULDBLOCK);
+	CHECK_R(nr_free(&p), free_before);
+	CHECK_R(tsp_thin_provision_nowait(td, 100, nr_free(&p) - 2,
+					  space.metadata_free - 1, &b), 0);
 	CHECK_R(b, 100);
 	CHECK_R(tsp_thin_get_mapped_count(td, &mapped), 0);
 	CHECK_R(mapped, 101);
@@ -1161,7 +1168,7 @@ static void test_provision_nowait(void)
 	 */
 	for (v = 101; v < 5000; v++) {
 		free_before = nr_free(&p);
-		r = tsp_thin_provision_nowait(td, v, 0, &b);
+		r = tsp_thin_provision_nowait(td, v, 0, 0, &b);
 		if (r == -EWOULDBLOCK) {
 			refused++;
 			CHECK_R(nr_free(&p), free_before);
@@ -1184,7 +1191,7 @@ static void test_provision_nowait(void)
 		free_before = nr_free(&p);
 		v = rnd_below(NW_VIRTS);
 		if (op < 50) {
-			r = tsp_thin_provision_nowait(td, v, 0, &b);
+			r = tsp_thin_provision_nowait(td, v, 0, 0, &b);
 			if (model[v]) {
 				/* Refused if the way to its leaf is not copied. */
 				CHECK(r == -EEXIST || r == -EWOULDBLOCK);
@@ -1248,7 +1255,7 @@ static void test_provision_nowait(void)
 		-EWOULDBLOCK);
 	/* A low water mark of all blocks there could be refuses too. */
 	CHECK_R(tsp_thin_provision(td, NW_VIRTS, ~0ULL, &res), -EWOULDBLOCK);
-	CHECK_R(tsp_thin_provision_nowait(td, NW_VIRTS, ~0ULL, &b),
+	CHECK_R(tsp_thin_provision_nowait(td, NW_VIRTS, ~0ULL, 0, &b),
 		-EWOULDBLOCK);
 	CHECK(!tsp_pool_changed_this_transaction(p.pmd));
 	CHECK_R(tsp_pool_check(p.pmd), 0);
@@ -1271,7 +1278,7 @@ static tsp_block_t provision_any(struct tsp_thin_device *td, tsp_block_t virt)
 {
 	struct tsp_thin_lookup_result res;
 	tsp_block_t b;
-	int r = tsp_thin_provision_nowait(td, virt, 0, &b);
+	int r = tsp_thin_provision_nowait(td, virt, 0, 0, &b);
 
 	if (r == -EWOULDBLOCK) {
 		r = tsp_thin_provision(td, virt, 0, &res);
