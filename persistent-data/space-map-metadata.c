@@ -208,12 +208,19 @@ int tsp_msm_dec(struct tsp_metadata_sm *sm, tsp_block_t b)
 	return 0;
 }
 
-/*
- * Fill @blocks with the first @nr allocatable blocks from the allocation
- * hint on, in the order new blocks are handed out; return how many.
+/**
+ * tsp_msm_peek_new_blocks - the blocks the next allocations will hand out
+ * @sm: space map
+ * @blocks: out, @nr of them at most
+ * @nr: how many to look for
+ *
+ * The first free blocks from where the last allocation left off, in the
+ * order allocations take them (tsp_msm_take()), if nothing is freed
+ * meanwhile.  Changes nothing.  Returns how many were found: 0 when the
+ * space map is full.
  */
-static unsigned int next_free(struct tsp_metadata_sm *sm, tsp_block_t *blocks,
-			      unsigned int nr)
+unsigned int tsp_msm_peek_new_blocks(struct tsp_metadata_sm *sm,
+				     tsp_block_t *blocks, unsigned int nr)
 {
 	tsp_block_t i, candidate;
 	unsigned int found = 0;
@@ -227,34 +234,17 @@ static unsigned int next_free(struct tsp_metadata_sm *sm, tsp_block_t *blocks,
 }
 
 /**
- * tsp_msm_new_block - allocate a metadata block
+ * tsp_msm_take - allocate a metadata block
  * @sm: space map
- * @b: out, the block, now with count 1
+ * @b: the first block tsp_msm_peek_new_blocks() returned, with nothing
+ *	allocated or freed since
  *
- * Returns 0 or -ENOSPC.
+ * Its count is now 1.
  */
-int tsp_msm_new_block(struct tsp_metadata_sm *sm, tsp_block_t *b)
+void tsp_msm_take(struct tsp_metadata_sm *sm, tsp_block_t b)
 {
-	if (!next_free(sm, b, 1))
-		return -ENOSPC;
-	set_count(sm, *b, 1);
-	sm->alloc_hint = *b + 1;
-	return 0;
-}
-
-/**
- * tsp_msm_peek_new_blocks - the blocks the next allocations will hand out
- * @sm: space map
- * @blocks: out, @nr of them at most
- * @nr: how many to look for
- *
- * In the order tsp_msm_new_block() hands them out, if nothing is freed
- * meanwhile.  Changes nothing.  Returns how many were found.
- */
-unsigned int tsp_msm_peek_new_blocks(struct tsp_metadata_sm *sm,
-				     tsp_block_t *blocks, unsigned int nr)
-{
-	return next_free(sm, blocks, nr);
+	set_count(sm, b, 1);
+	sm->alloc_hint = b + 1;
 }
 
 /* Grow to @nr_blocks; the new bitmaps are written at the next commit. */

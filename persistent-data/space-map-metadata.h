@@ -32,9 +32,9 @@ u32 tsp_msm_count(struct tsp_metadata_sm *sm, tsp_block_t b);
 bool tsp_msm_is_new(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_inc(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_dec(struct tsp_metadata_sm *sm, tsp_block_t b);
-int __must_check tsp_msm_new_block(struct tsp_metadata_sm *sm, tsp_block_t *b);
 unsigned int tsp_msm_peek_new_blocks(struct tsp_metadata_sm *sm,
 				     tsp_block_t *blocks, unsigned int nr);
+void tsp_msm_take(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_extend(struct tsp_metadata_sm *sm, tsp_block_t nr_blocks);
 
 struct tsp_index_entry;

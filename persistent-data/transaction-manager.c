@@ -189,16 +189,15 @@ int tsp_tm_new_block(struct tsp_tm *tm, const struct tsp_block_validator *v,
 
 	if (tm->nowait)
 		tm->prepare = true;
-	r = tsp_msm_new_block(tm->sm, &b);
-	if (r)
-		return tm->nowait ? -EWOULDBLOCK : r;
-
+	/* The block is allocated only once it is locked: nothing to undo. */
+	if (!tsp_msm_peek_new_blocks(tm->sm, &b, 1))
+		return tm->nowait ? -EWOULDBLOCK : -ENOSPC;
 	if (tm->nowait)
 		r = tsp_bm_write_lock_zero_cached(tm->bm, b, v, result);
 	else
 		r = tsp_bm_write_lock_zero(tm->bm, b, v, result);
-	if (r)
-		WARN_ON(tsp_msm_dec(tm->sm, b));
+	if (!r)
+		tsp_msm_take(tm->sm, b);
 	return r;
 }
 
