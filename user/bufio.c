@@ -940,7 +940,8 @@ static void *get_buffer(struct dm_bufio_client *c, u64 block,
 			goto bad;
 		}
 	} else {
-		memset(b->data, 0, c->block_size);
+		/* Undefined in dm-bufio: a pattern, for tests to notice a read. */
+		memset(b->data, TSP_BUFIO_NEW_FILL, c->block_size);
 	}
 	__insert(c, b);
 found:

@@ -73,6 +73,11 @@ void *dm_bufio_read(struct dm_bufio_client *c, uint64_t block,
 		    struct dm_buffer **bp);
 void *dm_bufio_get(struct dm_bufio_client *c, uint64_t block,
 		   struct dm_buffer **bp);
+/*
+ * A buffer new to the cache starts filled with TSP_BUFIO_NEW_FILL bytes:
+ * dm-bufio leaves its contents undefined.
+ */
+#define TSP_BUFIO_NEW_FILL 0xa5
 void *dm_bufio_new(struct dm_bufio_client *c, uint64_t block,
 		   struct dm_buffer **bp);
 void dm_bufio_prefetch(struct dm_bufio_client *c, uint64_t block,

@@ -653,7 +653,7 @@ static void test_bufio_basic(void)
 	u64 e0;
 	void *p, *p2;
 	unsigned int i;
-	bool zero = true;
+	bool filled = true;
 
 	reset_file(0);
 	reset_cb();
@@ -699,12 +699,12 @@ static void test_bufio_basic(void)
 	p = dm_bufio_new(c, NBLK + 5, &b);
 	CHECK(IS_ERR(p) && PTR_ERR(p) == -EIO);
 
-	/* new: zeroed, no read. */
+	/* new: not read, filled with the pattern of undefined contents. */
 	p = dm_bufio_new(c, 6, &b);
 	CHECK(!IS_ERR(p));
 	for (i = 0; !IS_ERR(p) && i < BS; i++)
-		zero &= !((u8 *)p)[i];
-	CHECK(zero);
+		filled &= ((u8 *)p)[i] == TSP_BUFIO_NEW_FILL;
+	CHECK(filled);
 	dm_bufio_release(b);
 
 	/* Dirty buffers: written in block order at write_dirty_buffers. */
