@@ -371,7 +371,8 @@ int tsp_bm_write_lock_zero_cached(struct tsp_block_manager *bm, tsp_block_t b,
  * happens if @b is cached already.
  *
  * Context: may sleep and wait for IO (dm-bufio may have to write another
- * buffer out to make room).  Return: 0 or -ENOMEM.
+ * buffer out to make room).  Return: 0, -EINVAL if @b is beyond the
+ * device, or dm-bufio's error (-ENOMEM).
  */
 int tsp_bm_prepare_zero(struct tsp_block_manager *bm, tsp_block_t b)
 {
