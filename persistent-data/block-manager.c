@@ -49,12 +49,14 @@
 struct tsp_block_manager {
 	struct dm_bufio_client *bufio;
 	bool read_only;
+	unsigned int write_locked;	/* blocks write locked now */
 	struct dm_buffer *pinned[BM_PINNED_SLOTS];	/* see "Pinning" */
 };
 
 /* Per-buffer state kept in dm-bufio's aux area. */
 struct bm_aux {
 	const struct tsp_block_validator *validator;	/* NULL: unchecked */
+	struct tsp_block_manager *bm;	/* set while write locked */
 	bool write_locked;
 	bool kept;		/* write locked, readers may share it */
 	bool pinned;		/* in the pin table, holding a hold of its own */
@@ -77,6 +79,7 @@ static void bm_alloc_callback(struct dm_buffer *buf)
 	struct bm_aux *aux = buffer_aux(buf);
 
 	aux->validator = NULL;
+	aux->bm = NULL;
 	aux->write_locked = false;
 	aux->kept = false;
 	aux->pinned = false;
@@ -299,6 +302,8 @@ static int bm_lock(struct tsp_block_manager *bm, tsp_block_t b,
 	/* Readers may share a buffer: only the (one) writer marks it. */
 	if (write) {
 		aux->write_locked = true;
+		aux->bm = bm;
+		bm->write_locked++;
 		if (!pinned)
 			pin(bm, buf);
 	}
@@ -420,6 +425,7 @@ void tsp_bm_unlock(struct tsp_block *b)
 
 	if (aux->write_locked && !aux->kept) {
 		aux->write_locked = false;
+		aux->bm->write_locked--;
 		if (aux->pinned) {
 			aux->dirty = true;
 			return;		/* the pin keeps the hold */
@@ -463,24 +469,19 @@ void tsp_bm_unkeep(struct tsp_block *b)
  *
  * Drops every pin, so that the pinned blocks written since they were
  * pinned are marked dirty and written too.  A block still write locked
- * would miss the flush, with the changes of its earlier locks if it is
- * pinned: that is refused, as a caller's bug.  Context: may sleep.
- * Returns 0, -EBUSY if a pinned block is write locked, or an IO error.
+ * (kept or not) would miss the flush, with the changes of its earlier
+ * locks if it is pinned, or be written while it changes: that is
+ * refused, as a caller's bug.  Context: may sleep.  Returns 0, -EBUSY if
+ * a block is write locked, or an IO error.
  */
 int tsp_bm_flush(struct tsp_block_manager *bm)
 {
-	unsigned int i;
-
 	if (bm->read_only)
 		return -EPERM;
-	for (i = 0; i < BM_PINNED_SLOTS; i++) {
-		struct dm_buffer *buf = bm->pinned[i];
-
-		if (buf && buffer_aux(buf)->write_locked) {
-			DMERR("metadata block %llu is write locked at a flush",
-			      (unsigned long long)dm_bufio_get_block_number(buf));
-			return -EBUSY;
-		}
+	if (bm->write_locked) {
+		DMERR("%u metadata blocks are write locked at a flush",
+		      bm->write_locked);
+		return -EBUSY;
 	}
 	unpin_all(bm);
 	return dm_bufio_write_dirty_buffers(bm->bufio);

@@ -636,10 +636,22 @@ static void test_pins(void)
 	CHECK_R(tsp_bm_flush(bm), 0);
 	pin_write(bm, 201, false, 10);
 
-	/* A flush is refused while a pinned block is write locked. */
+	/* A flush is refused while a pinned block is write locked... */
 	CHECK_R(tsp_bm_write_lock(bm, 201, &sb_validator, &wr), 0);
 	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	/* ...or kept... */
+	tsp_bm_keep(wr);
+	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	tsp_bm_unkeep(wr);
 	tsp_bm_unlock(wr);
+	CHECK(tsp_bufio_holds() == h0 + 1);
+	/* ...or one without a pin, its slot taken by a write locked one. */
+	CHECK_R(tsp_bm_write_lock(bm, 201, &sb_validator, &wr), 0);
+	CHECK_R(tsp_bm_write_lock_zero(bm, 217, &sb_validator, &other), 0);
+	CHECK(tsp_bufio_holds() == h0 + 2);
+	tsp_bm_unlock(wr);
+	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	tsp_bm_unlock(other);
 	CHECK(tsp_bufio_holds() == h0 + 1);
 	tsp_bm_destroy(bm);
 	CHECK(tsp_bufio_holds() == h0);
