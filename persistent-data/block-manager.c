@@ -56,7 +56,7 @@ struct tsp_block_manager {
 /* Per-buffer state kept in dm-bufio's aux area. */
 struct bm_aux {
 	const struct tsp_block_validator *validator;	/* NULL: unchecked */
-	struct tsp_block_manager *bm;	/* set while write locked */
+	struct tsp_block_manager *bm;	/* of the last write lock */
 	bool write_locked;
 	bool kept;		/* write locked, readers may share it */
 	bool pinned;		/* in the pin table, holding a hold of its own */
@@ -471,8 +471,9 @@ void tsp_bm_unkeep(struct tsp_block *b)
  * pinned are marked dirty and written too.  A block still write locked
  * (kept or not) would miss the flush, with the changes of its earlier
  * locks if it is pinned, or be written while it changes: that is
- * refused, as a caller's bug.  Context: may sleep.  Returns 0, -EBUSY if
- * a block is write locked, or an IO error.
+ * refused, as a caller's bug: -EDEADLK, which no update takes for a
+ * refusal that leaves the metadata usable (-EBUSY is one).  Context: may
+ * sleep.  Returns 0, -EDEADLK if a block is write locked, or an IO error.
  */
 int tsp_bm_flush(struct tsp_block_manager *bm)
 {
@@ -481,7 +482,7 @@ int tsp_bm_flush(struct tsp_block_manager *bm)
 	if (bm->write_locked) {
 		DMERR("%u metadata blocks are write locked at a flush",
 		      bm->write_locked);
-		return -EBUSY;
+		return -EDEADLK;
 	}
 	unpin_all(bm);
 	return dm_bufio_write_dirty_buffers(bm->bufio);

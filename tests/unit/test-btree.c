@@ -638,10 +638,10 @@ static void test_pins(void)
 
 	/* A flush is refused while a pinned block is write locked... */
 	CHECK_R(tsp_bm_write_lock(bm, 201, &sb_validator, &wr), 0);
-	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	CHECK_R(tsp_bm_flush(bm), -EDEADLK);
 	/* ...or kept... */
 	tsp_bm_keep(wr);
-	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	CHECK_R(tsp_bm_flush(bm), -EDEADLK);
 	tsp_bm_unkeep(wr);
 	tsp_bm_unlock(wr);
 	CHECK(tsp_bufio_holds() == h0 + 1);
@@ -650,7 +650,7 @@ static void test_pins(void)
 	CHECK_R(tsp_bm_write_lock_zero(bm, 217, &sb_validator, &other), 0);
 	CHECK(tsp_bufio_holds() == h0 + 2);
 	tsp_bm_unlock(wr);
-	CHECK_R(tsp_bm_flush(bm), -EBUSY);
+	CHECK_R(tsp_bm_flush(bm), -EDEADLK);
 	tsp_bm_unlock(other);
 	CHECK(tsp_bufio_holds() == h0 + 1);
 	tsp_bm_destroy(bm);
