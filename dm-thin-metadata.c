@@ -879,6 +879,31 @@ int tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd)
 }
 
 /**
+ * tsp_pool_metadata_needs_abort - whether a failed update awaits its abort
+ * @pmd: pool metadata
+ *
+ * An update that fails half way (other than by refusing: a device that
+ * exists, or is open, say) leaves the in-core metadata in doubt, and
+ * every update and lookup is refused from then on.  For a caller whose
+ * update failed, to tell such a failure, which wants
+ * tsp_pool_metadata_fail(), from a refusal that changed nothing.
+ *
+ * Context: may sleep (takes @root_lock for reading).
+ *
+ * Return: true if an update failed and neither tsp_pool_abort_metadata()
+ * nor tsp_pool_metadata_fail() has run since.
+ */
+bool tsp_pool_metadata_needs_abort(struct tsp_pool_metadata *pmd)
+{
+	bool r;
+
+	down_read(&pmd->root_lock);
+	r = pmd->fail_io && !pmd->read_only;
+	up_read(&pmd->root_lock);
+	return r;
+}
+
+/**
  * tsp_pool_metadata_close - commit and free
  * @pmd: pool metadata
  *

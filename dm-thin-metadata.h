@@ -83,6 +83,7 @@ int __must_check tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd);
  * read only, with no other update in between.
  */
 int __must_check tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd);
+bool tsp_pool_metadata_needs_abort(struct tsp_pool_metadata *pmd);
 
 /* Compare and swap: -EINVAL if @current_id is not the stored one. */
 int __must_check tsp_pool_set_metadata_transaction_id(struct tsp_pool_metadata *pmd,

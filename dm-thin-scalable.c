@@ -734,12 +734,15 @@ static void leave_no_space_mode(struct pool *pool)
  */
 static void arm_no_space_timeout(struct pool *pool)
 {
+	/* Read once: the parameter may be written meanwhile. */
+	unsigned long timeout = READ_ONCE(no_space_timeout_secs);
+
 	lockdep_assert_held(&pool->mode_lock);
-	if (pool->pf.error_if_no_space || !no_space_timeout_secs)
+	if (pool->pf.error_if_no_space || !timeout)
 		return;
-	pool->no_space_deadline = jiffies + no_space_timeout_secs * HZ;
-	mod_delayed_work(pool->wq, &pool->no_space_timeout,
-			 no_space_timeout_secs * HZ);
+	timeout *= HZ;
+	pool->no_space_deadline = jiffies + timeout;
+	mod_delayed_work(pool->wq, &pool->no_space_timeout, timeout);
 }
 
 static void __set_pool_mode(struct pool *pool, enum pool_mode mode)
@@ -2894,6 +2897,9 @@ static int pool_message(struct dm_target *ti, unsigned int argc, char **argv,
 	r = process_message(pool, argc, argv, result, maxlen);
 	if (!r)
 		(void)commit(pool);
+	else if (tsp_pool_metadata_needs_abort(pool->pmd))
+		/* Not a refusal: the update failed half way. */
+		metadata_failed(pool, argv[0], r);
 	return r;
 }
 

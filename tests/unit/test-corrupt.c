@@ -217,11 +217,21 @@ static void any_result(int r)
 {
 }
 
+/*
+ * After a step, what the pool does: abort an update that failed half way.
+ * One that failed without leaving the metadata waiting for its abort must
+ * have been refused, changing nothing.
+ */
 static void work_step(struct tsp_pool_metadata *pmd, int r)
 {
-	if (r && r != -ENODATA && r != -EEXIST && r != -ENODEV &&
-	    r != -EBUSY && r != -EINVAL)
+	if (tsp_pool_metadata_needs_abort(pmd)) {
+		CHECK(r);
 		any_result(tsp_pool_abort_metadata(pmd));
+	} else if (r && r != -ENOSPC &&
+		   !CHECK(r == -ENODATA || r == -EEXIST || r == -ENODEV ||
+			  r == -EBUSY || r == -EINVAL)) {
+		printf("  an update failed with %d and wants no abort\n", r);
+	}
 }
 
 static void work_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev)

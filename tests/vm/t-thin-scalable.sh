@@ -810,6 +810,48 @@ test_messages() {
 	teardown_pool
 }
 
+# A message whose metadata update fails half way (here deleting a device,
+# which must read its mapping tree, from a metadata device that fails every
+# IO) aborts the transaction, as a failed update in the IO path does: the
+# pool goes to fail mode, as the abort cannot read the superblock again.
+# Nothing of the delete reaches the disk.  (Stock dm-thin only warns, and
+# stays in write mode on metadata in doubt: not tested there.)
+test_failed_message() {
+	local pool_line meta_line
+	pool_line="0 $((512 * 2048)) $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data"
+	pool_line+=" 128 $LOW_WATER 0"
+	need_targets
+	ours || skip "dm-thin stays in write mode after a failed message"
+	make_pool 512 0
+	meta_line=$(dmsetup table tss-meta)
+	dm_message tss-pool "create_thin 1"
+	dm_create tss-thin1 "0 65536 $THIN_T /dev/mapper/tss-pool 1"
+	head -c 4M /dev/urandom >a
+	write_file a /dev/mapper/tss-thin1 0
+	dm_remove tss-thin1
+	# A new pool on the metadata: none of its btree nodes are cached.
+	dm_remove tss-pool
+	dm_create tss-pool "$pool_line"
+
+	dmsetup reload tss-meta --table "0 $((META_MIB * 2048)) error"
+	dmsetup resume tss-meta
+	expect_fail dmsetup message tss-pool 0 "delete 1"
+	assert_eq Fail "$(dm_status tss-pool)" "pool status after the failed message"
+	dmesg_since_test | grep -q "metadata operation 'delete' failed" ||
+		fail "no DMERR for the failed delete: $(dmesg_since_test | tail -n 5)"
+	dm_remove tss-pool
+	dmsetup reload tss-meta --table "$meta_line"
+	dmsetup resume tss-meta
+	check_meta
+
+	dm_create tss-pool "$pool_line"
+	dm_create tss-thin1 "0 65536 $THIN_T /dev/mapper/tss-pool 1"
+	assert_eq "$(file_sha a)" "$(dev_sha /dev/mapper/tss-thin1 0 4)" \
+		"data of the device whose delete failed"
+	dm_remove tss-thin1
+	teardown_pool
+}
+
 # --- 7. out of data space ---------------------------------------------------
 
 # wait_gone <pid> <tenths of a second>: succeed if the process ended.
@@ -1372,6 +1414,7 @@ run_test thin_scalable_zeroing_huge_blocks test_zeroing_huge_blocks
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_messages test_messages
+run_test thin_scalable_failed_message test_failed_message
 run_test thin_scalable_no_space test_no_space
 run_test thin_scalable_pool_devices test_pool_devices
 run_test thin_scalable_pool_outlives_table test_pool_outlives_table
