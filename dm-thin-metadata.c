@@ -2073,6 +2073,27 @@ int tsp_pool_get_free_block_count(struct tsp_pool_metadata *pmd,
 	return 0;
 }
 
+/**
+ * tsp_pool_get_waiting_block_count - freed blocks not yet allocatable
+ * @pmd: pool metadata
+ * @result: out: blocks freed in this transaction (by a discard, a delete
+ *	or a break of sharing), which wait for its commit (and the pool's
+ *	IO grace period before it), and blocks held past their commit for a
+ *	discard's passdown.  The free block count includes them.
+ *
+ * Context: may sleep (takes @root_lock for reading).
+ *
+ * Return: 0.
+ */
+int tsp_pool_get_waiting_block_count(struct tsp_pool_metadata *pmd,
+				     tsp_block_t *result)
+{
+	down_read(&pmd->root_lock);
+	*result = tsp_data_sm_nr_waiting(pmd->data_sm);
+	up_read(&pmd->root_lock);
+	return 0;
+}
+
 int tsp_pool_get_data_block_refcount(struct tsp_pool_metadata *pmd,
 				     tsp_block_t b, u32 *result)
 {

@@ -282,6 +282,8 @@ int __must_check tsp_pool_get_data_block_count(struct tsp_pool_metadata *pmd,
 					       tsp_block_t *result);
 int __must_check tsp_pool_get_free_block_count(struct tsp_pool_metadata *pmd,
 					       tsp_block_t *result);
+int __must_check tsp_pool_get_waiting_block_count(struct tsp_pool_metadata *pmd,
+						  tsp_block_t *result);
 int __must_check tsp_pool_get_data_block_refcount(struct tsp_pool_metadata *pmd,
 						  tsp_block_t b, u32 *result);
 int __must_check tsp_pool_get_metadata_dev_size(struct tsp_pool_metadata *pmd,

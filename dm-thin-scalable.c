@@ -2836,7 +2836,7 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 {
 	struct pool_stats sum = { 0 };
 	struct tsp_mc_stats cache = { 0 };
-	tsp_block_t nr, nr_free;
+	tsp_block_t nr, nr_free, waiting;
 	unsigned int sz = 0, i;
 	u64 passes = 0, handed_over = 0;
 	int cpu;
@@ -2856,14 +2856,16 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 			per_cpu_ptr(pool->stats, cpu)->blocks_written_whole;
 	}
 	if (tsp_pool_get_data_block_count(pool->pmd, &nr) ||
-	    tsp_pool_get_free_block_count(pool->pmd, &nr_free))
-		nr = nr_free = 0;
+	    tsp_pool_get_free_block_count(pool->pmd, &nr_free) ||
+	    tsp_pool_get_waiting_block_count(pool->pmd, &waiting))
+		nr = nr_free = waiting = 0;
 	tsp_pool_cache_stats(pool->pmd, &cache);
 
 	DMEMIT("fast_ios %llu deferred_ios %llu cache_entries %llu cache_hits %llu "
 	       "cache_misses %llu cache_evictions %llu commits %llu provisioned_blocks %llu "
 	       "workers %u worker_passes %llu handed_over_ios %llu "
-	       "provisioned_in_map %llu mapped_before_write %llu blocks_written_whole %llu",
+	       "provisioned_in_map %llu mapped_before_write %llu blocks_written_whole %llu "
+	       "freed_blocks_waiting %llu",
 	       (unsigned long long)sum.fast, (unsigned long long)sum.deferred,
 	       (unsigned long long)cache.entries, (unsigned long long)cache.hits,
 	       (unsigned long long)cache.misses, (unsigned long long)cache.evictions,
@@ -2872,7 +2874,8 @@ static int emit_stats(struct pool *pool, char *result, unsigned int maxlen)
 	       (unsigned long long)passes, (unsigned long long)handed_over,
 	       (unsigned long long)sum.provisioned_in_map,
 	       (unsigned long long)sum.mapped_before_write,
-	       (unsigned long long)sum.blocks_written_whole);
+	       (unsigned long long)sum.blocks_written_whole,
+	       (unsigned long long)waiting);
 	return 1;
 }
 

@@ -157,6 +157,7 @@ typedef unsigned int gfp_t;
 #define EXPORT_SYMBOL_GPL(s)
 
 static inline u64 div_u64(u64 n, u32 d) { return n / d; }
+#define hweight64(w) ((unsigned int)__builtin_popcountll(w))
 static inline u64 div_u64_rem(u64 n, u32 d, u32 *r) { *r = n % d; return n / d; }
 
 #define MAX_ERRNO 4095

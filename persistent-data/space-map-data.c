@@ -265,6 +265,19 @@ static bool in_set(u64 **set, u64 i, u32 pos)
 	return set[i] && (set[i][pos / 64] >> (pos % 64)) & 1;
 }
 
+/* The number of entries in a set (sm->freed or sm->held). */
+static tsp_block_t count_entries(struct tsp_data_sm *sm, u64 **set)
+{
+	tsp_block_t n = 0;
+	u64 i;
+	u32 w;
+
+	for (i = 0; i < sm->nr_bitmaps; i++)
+		for (w = 0; set[i] && w < FREED_WORDS; w++)
+			n += hweight64(set[i][w]);
+	return n;
+}
+
 void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 {
 	tsp_data_sm_unlock(sm);
@@ -478,6 +491,22 @@ tsp_block_t tsp_data_sm_nr_blocks(struct tsp_data_sm *sm)
 tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm)
 {
 	return sm->nr_blocks - sm->nr_allocated;
+}
+
+/**
+ * tsp_data_sm_nr_waiting - free blocks that cannot be allocated yet
+ * @sm: space map
+ *
+ * Counts the blocks freed in this transaction, which wait for its commit,
+ * and those held past their commit, which wait for
+ * tsp_data_sm_release_held().  tsp_data_sm_nr_free() counts them as free.
+ * Walks the sets of them: for reports, not for the IO path.
+ *
+ * Return: the number of such blocks.
+ */
+tsp_block_t tsp_data_sm_nr_waiting(struct tsp_data_sm *sm)
+{
+	return count_entries(sm, sm->freed) + count_entries(sm, sm->held);
 }
 
 /*

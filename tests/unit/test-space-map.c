@@ -580,11 +580,14 @@ static void test_reuse_in_transaction(void)
 	commit(c);
 	CHECK_R(op_dec(c, 3), 0);
 	CHECK_R(op_dec(c, 7), 0);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 2);
 	CHECK_R(op_new(c, &b), -ENOSPC);	/* freed this transaction */
 	commit(c);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 0);
 	CHECK_R(op_new(c, &b), 0);
 	CHECK(b == 3 || b == 7);
 	CHECK_R(op_dec(c, b), 0);		/* allocated and freed now */
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 1);
 	CHECK_R(op_new(c, &b2), 0);		/* the other one */
 	CHECK(b2 == 10 - b);
 	CHECK_R(op_new(c, &b2), -ENOSPC);	/* not @b again */
@@ -614,7 +617,9 @@ static void test_hold_freed(void)
 	CHECK_R(op_dec(c, 3), 0);
 	tsp_data_sm_hold_freed(c->sm);
 	CHECK_R(op_dec(c, 7), 0);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 2);
 	commit(c);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 1);
 	CHECK_R(op_new(c, &b), 0);
 	CHECK_R(b, 7);
 	CHECK_R(op_new(c, &b), -ENOSPC);	/* 3 is held */
@@ -624,7 +629,9 @@ static void test_hold_freed(void)
 	model_resize(c, ENTRIES_PER_BITMAP + 10);
 	CHECK_R(op_new(c, &b), 0);
 	CHECK_R(b, 10);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 1);
 	tsp_data_sm_release_held(c->sm);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 0);
 	CHECK_R(op_new(c, &b), 0);
 	CHECK_R(b, 3);
 	verify(c);
