@@ -851,8 +851,11 @@ int tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd)
  * makes the metadata read only, in one hold of @root_lock: an update
  * from another thread cannot slip in between and be committed with the
  * flag, on top of the aborted transaction's allocations.  Does nothing
- * if the metadata is read only already (another failure got here
- * first).
+ * if the metadata is read only already and no update failed since the
+ * last abort (another failure got here first).  Metadata made read only
+ * between the failure and this call (by the pool's read-only mode) is
+ * aborted all the same, and keeps the flag in core, as read only
+ * metadata writes nothing: the pool does not go back to write mode.
  *
  * Context: may sleep.
  *
@@ -864,11 +867,12 @@ int tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd)
 	int r = 0;
 
 	lock_for_update(pmd);
-	if (!pmd->read_only) {
+	if (!pmd->read_only || pmd->fail_io) {
 		r = __abort(pmd);
 		if (!r) {
 			pmd->flags |= THIN_NEEDS_CHECK_FLAG;
-			r = __commit_transaction(pmd);
+			if (!pmd->read_only)
+				r = __commit_transaction(pmd);
 			if (r)
 				__fail_io(pmd);
 		}
@@ -890,15 +894,15 @@ int tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd)
  *
  * Context: may sleep (takes @root_lock for reading).
  *
- * Return: true if an update failed and neither tsp_pool_abort_metadata()
- * nor tsp_pool_metadata_fail() has run since.
+ * Return: true if an update (or a commit) failed and no abort has
+ * succeeded since.
  */
 bool tsp_pool_metadata_needs_abort(struct tsp_pool_metadata *pmd)
 {
 	bool r;
 
 	down_read(&pmd->root_lock);
-	r = pmd->fail_io && !pmd->read_only;
+	r = pmd->fail_io;
 	up_read(&pmd->root_lock);
 	return r;
 }

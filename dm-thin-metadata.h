@@ -80,7 +80,8 @@ void tsp_pool_release_held_blocks(struct tsp_pool_metadata *pmd);
 int __must_check tsp_pool_abort_metadata(struct tsp_pool_metadata *pmd);
 /*
  * After a failed update: abort, set needs_check and make the metadata
- * read only, with no other update in between.
+ * read only, with no other update in between.  Nothing to do on read
+ * only metadata, unless an update failed since the last abort.
  */
 int __must_check tsp_pool_metadata_fail(struct tsp_pool_metadata *pmd);
 bool tsp_pool_metadata_needs_abort(struct tsp_pool_metadata *pmd);

@@ -817,6 +817,7 @@ static void test_metadata(void)
 	struct pool p;
 	bool shared;
 	u64 v;
+	int r;
 
 	phase = "metadata";
 	pool_create(&p);
@@ -982,6 +983,28 @@ static void test_metadata(void)
 	CHECK_R(tsp_thin_insert_block(td1, 701, b), 0);
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 	CHECK_R(tsp_pool_check(p.pmd), 0);
+
+	/*
+	 * An update fails, and the metadata goes read only (a read-only
+	 * reload) before the failure is dealt with: giving up still aborts
+	 * the update, and keeps needs_check in core, where the pool's resume
+	 * sees it; read only metadata writes nothing, so an abort after
+	 * going writable again finds the flag gone from disk.
+	 */
+	tsp_user_fail_alloc_after(0);
+	r = tsp_pool_create_thin(p.pmd, 9);
+	tsp_user_fail_alloc_after(-1);
+	CHECK_R(r, -ENOMEM);
+	CHECK(tsp_pool_metadata_needs_abort(p.pmd));
+	tsp_pool_metadata_read_only(p.pmd);
+	CHECK_R(tsp_pool_metadata_fail(p.pmd), 0);
+	CHECK(!tsp_pool_metadata_needs_abort(p.pmd));
+	CHECK(tsp_pool_metadata_needs_check(p.pmd));
+	CHECK_R(tsp_thin_find_block(td1, 701, &res), 0);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 9, &td2), -ENODATA);
+	tsp_pool_metadata_read_write(p.pmd);
+	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
+	CHECK(!tsp_pool_metadata_needs_check(p.pmd));
 
 	/*
 	 * Giving up after a failure: aborted, needs_check committed, read
