@@ -62,9 +62,9 @@
  * allocation (issue_passdowns()).
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
- * bio that depends on uncommitted mappings is issued (or completed) only
- * after the commit covering them.  The waker also commits once a second
- * when the metadata changed.
+ * write that depends on uncommitted mappings is issued (or completed)
+ * only after the commit covering them.  The waker also commits once a
+ * second when the metadata changed.
  *
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
@@ -541,9 +541,16 @@ static bool bio_covers_block(struct pool *pool, struct bio *bio)
 	       bio->bi_iter.bi_size == (pool->sectors_per_block << SECTOR_SHIFT);
 }
 
+/*
+ * Whether @bio may complete only once the mappings it depends on are
+ * committed: a write (or an empty flush) with FLUSH or FUA.  A read's FUA
+ * (6.1 lets one through) asks nothing of the metadata: it is remapped at
+ * once and counted in the epoch like any read, never held for a commit
+ * that could first free the block it reads.
+ */
 static bool bio_needs_commit(struct bio *bio)
 {
-	return bio->bi_opf & (REQ_PREFLUSH | REQ_FUA);
+	return op_is_write(bio_op(bio)) && op_is_flush(bio->bi_opf);
 }
 
 static enum pool_mode pool_mode(struct pool *pool)
