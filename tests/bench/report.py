@@ -373,6 +373,8 @@ def main():
         info.get("runtime", "?"), doc["date"][:16].replace("T", " "))
     if info.get("gtod_reduce") == "0":
         title += ", fio's full timekeeping"
+    if host.get("clock") == "icount":
+        title += ", guest time in instructions (icount)"
     print()
     print(title)
     print("(IOPS: median [min-max] over the rounds; x linear, x thin-pool: "
