@@ -62,9 +62,10 @@
  * allocation (issue_passdowns()).
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
- * write that depends on uncommitted mappings is issued (or completed)
- * only after the commit covering them.  The waker also commits once a
- * second when the metadata changed.
+ * bio that depends on uncommitted mappings is issued (or completed) only
+ * after the commit covering them: a write is held until the worker's next
+ * commit, a read waits for a commit right away (process_bio()).  The
+ * waker also commits once a second when the metadata changed.
  *
  * Locking:
  *   pool_table_mutex   the list of pools, and pool->ref_count
@@ -543,14 +544,11 @@ static bool bio_covers_block(struct pool *pool, struct bio *bio)
 
 /*
  * Whether @bio may complete only once the mappings it depends on are
- * committed: a write (or an empty flush) with FLUSH or FUA.  A read's FUA
- * (6.1 lets one through) asks nothing of the metadata: it is remapped at
- * once and counted in the epoch like any read, never held for a commit
- * that could first free the block it reads.
+ * committed: FLUSH or FUA (6.1 lets a FUA read through too).
  */
 static bool bio_needs_commit(struct bio *bio)
 {
-	return op_is_write(bio_op(bio)) && op_is_flush(bio->bi_opf);
+	return op_is_flush(bio->bi_opf);
 }
 
 static enum pool_mode pool_mode(struct pool *pool)
@@ -1089,11 +1087,13 @@ static int commit_then(struct pool *pool,
 }
 
 /*
- * Worker: commit if any of its bios waits for it, then release them.  A
- * commit covers every worker's changes: one made by another worker since
- * finds nothing left to commit.
+ * Worker: commit if any of its bios waits for it (or commit_requested),
+ * then release them.  A commit covers every worker's changes: one made
+ * by another worker since finds nothing left to commit.
+ *
+ * Return: BLK_STS_OK, or the error the released bios ended with.
  */
-static void process_commit(struct worker *w)
+static blk_status_t process_commit(struct worker *w)
 {
 	struct pool *pool = w->pool;
 	struct bio_list waiters, issue;
@@ -1110,7 +1110,7 @@ static void process_commit(struct worker *w)
 	if (bio_list_empty(&w->flush_waiters) &&
 	    bio_list_empty(&w->issue_after_commit) &&
 	    !w->commit_requested)
-		return;
+		return BLK_STS_OK;
 
 	w->commit_requested = false;
 	if (commit(pool) || atomic_read(&pool->aborts) != aborts)
@@ -1136,6 +1136,7 @@ static void process_commit(struct worker *w)
 			submit_counted(pool, bio);
 		}
 	}
+	return status;
 }
 
 /*----------------------------------------------------------------
@@ -2019,9 +2020,23 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 
 	if (bio_needs_commit(bio) &&
 	    tsp_pool_changed_this_transaction(pool->pmd)) {
-		remap(pool, bio, result.block);
-		bio_list_add(&w->issue_after_commit, bio);
-		return;
+		if (bio_data_dir(bio) == WRITE) {
+			remap(pool, bio, result.block);
+			bio_list_add(&w->issue_after_commit, bio);
+			return;
+		}
+		/*
+		 * A FUA read is sent only counted in the epoch: held back
+		 * uncounted for a later commit, its block could meanwhile be
+		 * freed by a write of this pass breaking sharing, and
+		 * reused.  Commit now; only this worker changes the mapping.
+		 */
+		w->commit_requested = true;
+		bio->bi_status = process_commit(w);
+		if (bio->bi_status) {
+			bio_endio(bio);
+			return;
+		}
 	}
 	issue_remapped(pool, bio, result.block);
 }
