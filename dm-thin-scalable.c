@@ -337,7 +337,7 @@ struct pool {
 	unsigned int epoch_index;
 	struct pool_stats __percpu *stats;
 	atomic64_t commits;
-	atomic_t aborts;			/* metadata_failed() calls */
+	atomic_t aborts;			/* 2 per metadata_failed() call */
 
 	/*
 	 * Held over a commit and over the IO path's mapping changes, so
@@ -813,14 +813,20 @@ static void metadata_failed(struct pool *pool, const char *op, int r)
 {
 	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
 		    dm_device_name(pool->pool_md), op, r);
+	int r_abort;
+
 	/*
-	 * Before the abort: a FLUSH that a commit after it lets through
-	 * sees the count moved (process_commit).  A second failure, or a
-	 * refusal of read-only metadata, finds nothing left to do in
-	 * tsp_pool_metadata_fail().
+	 * Counted before and after the abort, so that the count read after
+	 * it differs from one read at any time before it ends: the bios a
+	 * commit then releases (process_commit) and the discards it passes
+	 * down (issue_passdowns) may depend on changes it rolled back.  A
+	 * second failure, or a refusal of read-only metadata, finds nothing
+	 * left to do in tsp_pool_metadata_fail().
 	 */
 	atomic_inc(&pool->aborts);
-	if (tsp_pool_metadata_fail(pool->pmd)) {
+	r_abort = tsp_pool_metadata_fail(pool->pmd);
+	atomic_inc(&pool->aborts);
+	if (r_abort) {
 		DMERR("%s: failed to abort metadata transaction and set 'needs_check'",
 		      dm_device_name(pool->pool_md));
 		set_pool_mode(pool, PM_FAIL);
