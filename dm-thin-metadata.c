@@ -143,6 +143,7 @@ struct tsp_thin_device {
 	tsp_thin_id id;
 	int open_count;
 	bool changed;
+	bool aborted_with_changes;	/* until its last opener closes it */
 	u64 mapped_blocks;
 	u64 transaction_id;
 	u32 creation_time;
@@ -798,6 +799,7 @@ static int __abort(struct tsp_pool_metadata *pmd)
 			kfree(td);
 			continue;
 		}
+		td->aborted_with_changes |= td->changed;
 		td->changed = false;
 		memset(&d, 0, sizeof(d));
 		r = tsp_btree_lookup(&pmd->details_info, pmd->details_root,
@@ -1018,7 +1020,10 @@ static void __forget_device(struct tsp_pool_metadata *pmd,
 /* Closed and unchanged, a device need not stay in core until commit. */
 static void __close_device(struct tsp_thin_device *td)
 {
-	if (!--td->open_count && !td->changed)
+	if (--td->open_count)
+		return;
+	td->aborted_with_changes = false;	/* the next opener lost nothing */
+	if (!td->changed)
 		__forget_device(td->pmd, td);
 }
 
@@ -2036,12 +2041,22 @@ int tsp_thin_get_highest_mapped_block(struct tsp_thin_device *td,
 	return r;
 }
 
-bool tsp_thin_changed_this_transaction(struct tsp_thin_device *td)
+/**
+ * tsp_thin_aborted_changes - whether an abort dropped changes to @td
+ * @td: an open thin device
+ *
+ * Writes to @td that completed before the abort may be lost: a flush
+ * cannot make them durable.  Stays true until @td's last opener closes
+ * it.
+ *
+ * Context: may sleep (takes @root_lock for reading).
+ */
+bool tsp_thin_aborted_changes(struct tsp_thin_device *td)
 {
 	bool r;
 
 	down_read(&td->pmd->root_lock);
-	r = td->changed;
+	r = td->aborted_with_changes;
 	up_read(&td->pmd->root_lock);
 	return r;
 }

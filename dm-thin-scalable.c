@@ -1093,6 +1093,21 @@ static int commit_then(struct pool *pool,
 }
 
 /*
+ * The status for a FLUSH or FUA bio of @tc that its commit let through:
+ * once an abort has dropped changes to the device, writes it completed
+ * before may be lost, and no flush makes them durable.  Until the device
+ * is closed, as dm-thin does.
+ */
+static blk_status_t aborted_changes_status(struct thin_c *tc)
+{
+	if (!tsp_thin_aborted_changes(tc->td))
+		return BLK_STS_OK;
+	DMERR_LIMIT("%s: flush failed: an aborted metadata transaction dropped writes",
+		    dm_device_name(tc->thin_md));
+	return BLK_STS_IOERR;
+}
+
+/*
  * Worker: commit if any of its bios waits for it (or commit_requested),
  * then release them.  A commit covers every worker's changes: one made
  * by another worker since finds nothing left to commit.
@@ -1128,12 +1143,12 @@ static blk_status_t process_commit(struct worker *w)
 	bio_list_init(&w->issue_after_commit);
 
 	while ((bio = bio_list_pop(&waiters))) {
-		bio->bi_status = status;
+		bio->bi_status = status ?: aborted_changes_status(thin_bio(bio)->tc);
 		bio_endio(bio);
 	}
 	while ((bio = bio_list_pop(&issue))) {
-		if (status) {
-			bio->bi_status = status;
+		bio->bi_status = status ?: aborted_changes_status(thin_bio(bio)->tc);
+		if (bio->bi_status) {
 			bio_endio(bio);
 		} else {
 			/* Remapped already, or an empty flush for the data device. */
@@ -2024,21 +2039,27 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 		return;
 	}
 
-	if (bio_needs_commit(bio) &&
-	    tsp_pool_changed_this_transaction(pool->pmd)) {
-		if (bio_data_dir(bio) == WRITE) {
-			remap(pool, bio, result.block);
-			bio_list_add(&w->issue_after_commit, bio);
-			return;
+	if (bio_needs_commit(bio)) {
+		blk_status_t status = BLK_STS_OK;
+
+		if (tsp_pool_changed_this_transaction(pool->pmd)) {
+			if (bio_data_dir(bio) == WRITE) {
+				remap(pool, bio, result.block);
+				bio_list_add(&w->issue_after_commit, bio);
+				return;
+			}
+			/*
+			 * A FUA read is sent only counted in the epoch: held
+			 * back uncounted for a later commit, its block could
+			 * meanwhile be freed by a write of this pass breaking
+			 * sharing, and reused.  Commit now; only this worker
+			 * changes the mapping.
+			 */
+			w->commit_requested = true;
+			status = process_commit(w);
 		}
-		/*
-		 * A FUA read is sent only counted in the epoch: held back
-		 * uncounted for a later commit, its block could meanwhile be
-		 * freed by a write of this pass breaking sharing, and
-		 * reused.  Commit now; only this worker changes the mapping.
-		 */
-		w->commit_requested = true;
-		bio->bi_status = process_commit(w);
+		/* After the check above: an abort clears the changes. */
+		bio->bi_status = status ?: aborted_changes_status(tc);
 		if (bio->bi_status) {
 			bio_endio(bio);
 			return;

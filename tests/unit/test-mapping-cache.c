@@ -807,7 +807,7 @@ static int fast(struct tsp_thin_device *td, tsp_block_t virt,
 
 static void test_metadata(void)
 {
-	struct tsp_thin_device *td1, *td2;
+	struct tsp_thin_device *td1, *td2, *td;
 	struct tsp_thin_lookup_result res;
 	tsp_block_t block[N_MAPPED], b, tb, te, pb;
 	struct tsp_new_mapping batch[3];
@@ -935,6 +935,21 @@ static void test_metadata(void)
 	FAST_HIT(td1, 1, block[1], true);
 	CHECK_R(tsp_pool_cache_stats(p.pmd, &st), 0);
 	CHECK_R(st.entries, 1);
+	/*
+	 * Writes to td1 may have been lost, so its flushes must fail, until
+	 * its last opener closes it; td2 lost nothing.
+	 */
+	CHECK(tsp_thin_aborted_changes(td1));
+	CHECK(!tsp_thin_aborted_changes(td2));
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td), 0);
+	CHECK(td == td1 && tsp_thin_aborted_changes(td));
+	tsp_pool_close_thin_device(td);
+	CHECK(tsp_thin_aborted_changes(td1));
+	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
+	CHECK(tsp_thin_aborted_changes(td1));
+	tsp_pool_close_thin_device(td1);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td1), 0);
+	CHECK(!tsp_thin_aborted_changes(td1));
 
 	/* Deleting a device drops its entries: a new one of that id misses. */
 	CHECK_R(tsp_thin_find_block(td2, 2, &res), 0);

@@ -1,8 +1,9 @@
 #!/bin/bash
 # VM tests of our targets, thin-scal-pool and thin-scalable: basic IO
 # and status lines, snapshots, discard and isolation, zeroing (with WRITE
-# ZEROES, and in blocks too big for one bio), flush durability, pool
-# messages, out of data space, concurrent IO with a snapshot.
+# ZEROES, and in blocks too big for one bio), flush durability (after a
+# failed commit too), pool messages, out of data space, concurrent IO
+# with a snapshot.
 #
 # TSP_POOL_TARGET=thin-pool TSP_THIN_TARGET=thin run the same tests against
 # the stock dm-thin (scripts/vm-run --env ...): the baseline that proves a
@@ -742,6 +743,116 @@ test_flush_durability() {
 	teardown_pool
 }
 
+# leaf_blocks <device> <first key> <min entries>: the metadata blocks on
+# <device> that are btree leaves of 8-byte values (mapping tree leaves)
+# whose first key is <first key> and that hold at least <min entries>.
+leaf_blocks() {
+	python3 - "$@" <<'EOF'
+import struct, sys
+dev, first, least = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with open(dev, 'rb') as f:
+    data = f.read()
+for b in range(len(data) // 4096):
+    off = b * 4096
+    flags, blocknr, nr, max_entries, value_size = struct.unpack_from('<IQIII', data, off + 4)
+    if (flags & 2 and blocknr == b and value_size == 8 and least <= nr <= max_entries
+            and struct.unpack_from('<Q', data, off + 32)[0] == first):
+        print(b)
+EOF
+}
+
+# Writes to thin 0 complete, then, before any commit, an update fails and
+# the transaction is aborted: the pool goes read-only.  Returns 1 if a
+# commit came in between after all (the waker's), which made the writes
+# durable.
+abort_after_write() {
+	local m=/dev/mapper/tss-meta pool_line leaves b commits
+	pool_line="0 $((512 * 2048)) $POOL_T $m /dev/mapper/tss-data 128 $LOW_WATER 0"
+	make_pool 512 0
+	dm_message tss-pool "create_thin 0"
+	dm_message tss-pool "create_thin 1"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	dm_create tss-thin1 "0 131072 $THIN_T /dev/mapper/tss-pool 1"
+	write_file a /dev/mapper/tss-thin0 0
+	# Thin 1 maps blocks 256..575: two leaves at least.
+	head -c 20M /dev/urandom >b
+	write_file b /dev/mapper/tss-thin1 16
+	# A new pool has no node cached; opening thin 1 reads its last leaf.
+	dm_remove tss-thin0
+	dm_remove tss-thin1
+	dm_remove tss-pool
+	dm_create tss-pool "$pool_line"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	dm_create tss-thin1 "0 131072 $THIN_T /dev/mapper/tss-pool 1"
+
+	# Corrupt thin 1's first leaf (and any old copy), kept for the end.
+	leaves=$(leaf_blocks $m 256 100)
+	[ -n "$leaves" ] || fail "no leaf of thin 1's mappings found"
+	for b in $leaves; do
+		dd if=$m of="leaf.$b" bs=4096 skip="$b" count=1 iflag=direct status=none
+		printf 'corrupt!' |
+			dd of=$m bs=8 seek=$((b * 512 + 100)) conv=notrunc,fsync status=none
+	done
+
+	commits=$(pool_stat commits)
+	dd if=a of=/dev/mapper/tss-thin0 bs=1M seek=8 count=1 oflag=direct \
+		conv=notrunc status=none || fail "the write before the abort failed"
+	# The discard reads the corrupt leaf.
+	expect_fail blkdiscard -o $((16 << 20)) -l $((1 << 20)) /dev/mapper/tss-thin1
+	assert_eq ro "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after the abort"
+	[ "$(pool_stat commits)" = "$commits" ]
+}
+
+# Remove the devices of abort_after_write, and put the leaves it
+# corrupted back.
+remove_after_abort() {
+	local f
+	dm_remove tss-thin0
+	dm_remove tss-thin1
+	dm_remove tss-pool
+	for f in leaf.*; do
+		dd if="$f" of=/dev/mapper/tss-meta bs=4096 seek="${f#leaf.}" conv=notrunc \
+			oflag=direct status=none
+		rm "$f"
+	done
+}
+
+# An abort dropped writes to a thin device that had completed: every
+# flush of the device fails from then on (no flush makes them durable),
+# until it is closed; then a new opener's flushes succeed.  dm-thin fails
+# such flushes too, but goes on failing them for a new opener while the
+# device stays in its core, and aborts nothing for a failed discard.
+test_flush_after_abort() {
+	local t=/dev/mapper/tss-thin0 try
+	need_targets
+	ours || skip "dm-thin does not abort the transaction for a failed discard"
+	head -c 4M /dev/urandom >a
+	for try in 1 2 3 4; do
+		[ "$try" != 4 ] || fail "a commit came between the write and the abort every time"
+		abort_after_write && break
+		remove_after_abort
+		dm_remove tss-data
+		dm_remove tss-meta
+	done
+
+	expect_fail sync $t
+	expect_fail sync $t
+	dmesg_since_test | grep -q "flush failed: an aborted metadata transaction dropped writes" ||
+		fail "no DMERR for the failed flush: $(dmesg_since_test | tail -n 5)"
+	assert_eq "$(file_sha a)" "$(dev_sha $t 0 4)" "committed data after the abort"
+	dm_remove tss-thin0
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	sync $t || fail "a flush of the reopened device failed"
+
+	remove_after_abort
+	check_meta
+	thin_dump /dev/mapper/tss-meta >d.xml
+	grep -q '<device dev_id="0" mapped_blocks="64"' d.xml ||
+		fail "thin 0's mappings after the abort: $(grep '<device ' d.xml)"
+	dm_remove tss-data
+	dm_remove tss-meta
+}
+
 # --- 6. messages ------------------------------------------------------------
 
 test_messages() {
@@ -1430,6 +1541,7 @@ run_test thin_scalable_zeroing_big_blocks test_zeroing_big_blocks
 run_test thin_scalable_zeroing_huge_blocks test_zeroing_huge_blocks
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
+run_test thin_scalable_flush_after_abort test_flush_after_abort
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_failed_message test_failed_message
 run_test thin_scalable_no_space test_no_space
