@@ -572,22 +572,36 @@ static void details_unpack(const struct disk_device_details *disk,
 
 static int write_changed_details(struct tsp_pool_metadata *pmd)
 {
-	struct tsp_thin_device *td, **link;
+	struct tsp_thin_device *td;
 	struct disk_device_details disk;
 	int r;
 
+	for (td = pmd->devices; td; td = td->next) {
+		if (!td->changed)
+			continue;
+		disk.mapped_blocks = cpu_to_le64(td->mapped_blocks);
+		disk.transaction_id = cpu_to_le64(td->transaction_id);
+		disk.creation_time = cpu_to_le32(td->creation_time);
+		disk.snapshotted_time = cpu_to_le32(td->snapshotted_time);
+		r = tsp_btree_insert(&pmd->details_info, pmd->details_root,
+				     td->id, &disk, &pmd->details_root, NULL);
+		if (r)
+			return r;
+	}
+	return 0;
+}
+
+/*
+ * The transaction is committed: no device has changes pending, and closed
+ * ones leave core.  Not before: an abort after a commit that failed marks
+ * the devices whose changes it drops (aborted_with_changes).
+ */
+static void devices_committed(struct tsp_pool_metadata *pmd)
+{
+	struct tsp_thin_device *td, **link;
+
 	for (link = &pmd->devices; (td = *link);) {
-		if (td->changed) {
-			disk.mapped_blocks = cpu_to_le64(td->mapped_blocks);
-			disk.transaction_id = cpu_to_le64(td->transaction_id);
-			disk.creation_time = cpu_to_le32(td->creation_time);
-			disk.snapshotted_time = cpu_to_le32(td->snapshotted_time);
-			r = tsp_btree_insert(&pmd->details_info, pmd->details_root,
-					     td->id, &disk, &pmd->details_root, NULL);
-			if (r)
-				return r;
-			td->changed = false;
-		}
+		td->changed = false;
 		if (!td->open_count) {
 			*link = td->next;
 			kfree(td);
@@ -595,7 +609,6 @@ static int write_changed_details(struct tsp_pool_metadata *pmd)
 			link = &td->next;
 		}
 	}
-	return 0;
 }
 
 static int __commit_transaction(struct tsp_pool_metadata *pmd)
@@ -640,8 +653,10 @@ static int __commit_transaction(struct tsp_pool_metadata *pmd)
 	sb->incompat_flags = cpu_to_le32(pmd->incompat_flags);
 
 	r = tsp_tm_commit(pmd->tm, b);
-	if (!r)
+	if (!r) {
+		devices_committed(pmd);
 		pmd->changed = false;
+	}
 	return r;
 }
 
@@ -2038,6 +2053,16 @@ int tsp_thin_get_highest_mapped_block(struct tsp_thin_device *td,
 	if (!r)
 		*result = key;
 	up_read(&pmd->root_lock);
+	return r;
+}
+
+bool tsp_thin_changed_this_transaction(struct tsp_thin_device *td)
+{
+	bool r;
+
+	down_read(&td->pmd->root_lock);
+	r = td->changed;
+	up_read(&td->pmd->root_lock);
 	return r;
 }
 

@@ -276,6 +276,7 @@ int __must_check tsp_thin_get_mapped_count(struct tsp_thin_device *td,
 /* -ENODATA when nothing is mapped. */
 int __must_check tsp_thin_get_highest_mapped_block(struct tsp_thin_device *td,
 						   tsp_block_t *result);
+bool tsp_thin_changed_this_transaction(struct tsp_thin_device *td);
 bool tsp_thin_aborted_changes(struct tsp_thin_device *td);
 bool tsp_pool_changed_this_transaction(struct tsp_pool_metadata *pmd);
 

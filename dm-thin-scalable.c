@@ -394,7 +394,6 @@ struct worker {
 	struct bio_list flush_waiters;		/* complete after commit */
 	struct bio_list issue_after_commit;	/* issue after commit */
 	bool commit_requested;
-	int aborts_seen;			/* pool->aborts, last pass */
 	cpumask_var_t completions_to_kick;	/* hand_over_bio() */
 
 	/* Written by the work item, read by stats. */
@@ -817,11 +816,10 @@ static void metadata_failed(struct pool *pool, const char *op, int r)
 
 	/*
 	 * Counted before and after the abort, so that the count read after
-	 * it differs from one read at any time before it ends: the bios a
-	 * commit then releases (process_commit) and the discards it passes
-	 * down (issue_passdowns) may depend on changes it rolled back.  A
-	 * second failure, or a refusal of read-only metadata, finds nothing
-	 * left to do in tsp_pool_metadata_fail().
+	 * it differs from one read at any time before it ends: the discards
+	 * queued for passdown then (issue_passdowns) may be of blocks the
+	 * rollback maps again.  A second failure, or a refusal of read-only
+	 * metadata, finds nothing left to do in tsp_pool_metadata_fail().
 	 */
 	atomic_inc(&pool->aborts);
 	r_abort = tsp_pool_metadata_fail(pool->pmd);
@@ -1095,8 +1093,9 @@ static int commit_then(struct pool *pool,
 /*
  * The status for a FLUSH or FUA bio of @tc that its commit let through:
  * once an abort has dropped changes to the device, writes it completed
- * before may be lost, and no flush makes them durable.  Until the device
- * is closed, as dm-thin does.
+ * before may be lost (the bio's own mapping among them: the commit then
+ * finds nothing to commit), and no flush makes them durable.  Until the
+ * device is closed.
  */
 static blk_status_t aborted_changes_status(struct thin_c *tc)
 {
@@ -1112,30 +1111,22 @@ static blk_status_t aborted_changes_status(struct thin_c *tc)
  * then release them.  A commit covers every worker's changes: one made
  * by another worker since finds nothing left to commit.
  *
- * Return: BLK_STS_OK, or the error the released bios ended with.
+ * Return: BLK_STS_OK, or the error of the commit.
  */
 static blk_status_t process_commit(struct worker *w)
 {
 	struct pool *pool = w->pool;
 	struct bio_list waiters, issue;
 	struct bio *bio;
-	blk_status_t status = BLK_STS_OK;
-	int aborts;
+	blk_status_t status;
 
-	/*
-	 * An abort since the last pass may have dropped mappings the bios
-	 * waiting here depend on, and then commit() finds nothing to commit.
-	 */
-	aborts = w->aborts_seen;
-	w->aborts_seen = atomic_read(&pool->aborts);
 	if (bio_list_empty(&w->flush_waiters) &&
 	    bio_list_empty(&w->issue_after_commit) &&
 	    !w->commit_requested)
 		return BLK_STS_OK;
 
 	w->commit_requested = false;
-	if (commit(pool) || atomic_read(&pool->aborts) != aborts)
-		status = BLK_STS_IOERR;
+	status = commit(pool) ? BLK_STS_IOERR : BLK_STS_OK;
 
 	waiters = w->flush_waiters;
 	bio_list_init(&w->flush_waiters);

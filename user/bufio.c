@@ -191,6 +191,7 @@ struct block_device {
 	u64 events;
 	u64 crash_at;
 	bool crashed;
+	bool fail_writes;		/* tsp_bdev_fail_writes() */
 	struct vol_write *inflight;	/* the write that hit the crash */
 
 	bool is_volatile;
@@ -390,7 +391,7 @@ static int bdev_event(struct block_device *bdev, u64 off, const void *data,
 {
 	u64 ev = bdev->events++;
 
-	if (bdev->crashed)
+	if (bdev->crashed || bdev->fail_writes)
 		return -EIO;
 	if (ev < bdev->crash_at)
 		return 0;
@@ -576,6 +577,13 @@ void tsp_bdev_crash_at(struct block_device *bdev, uint64_t event)
 {
 	pthread_mutex_lock(&bdev->lock);
 	bdev->crash_at = event;
+	pthread_mutex_unlock(&bdev->lock);
+}
+
+void tsp_bdev_fail_writes(struct block_device *bdev, bool on)
+{
+	pthread_mutex_lock(&bdev->lock);
+	bdev->fail_writes = on;
 	pthread_mutex_unlock(&bdev->lock);
 }
 

@@ -43,6 +43,11 @@ uint64_t tsp_bdev_events(struct block_device *bdev);
 /* Fail every IO from event number @event on (0 based); ~0 = never. */
 void tsp_bdev_crash_at(struct block_device *bdev, uint64_t event);
 bool tsp_bdev_crashed(struct block_device *bdev);
+/*
+ * While @on, every write and flush fails with -EIO (and counts as an
+ * event), and reads work: a device that refuses writes, but no crash.
+ */
+void tsp_bdev_fail_writes(struct block_device *bdev, bool on);
 enum tsp_crash_mode {
 	TSP_CRASH_DROP_VOLATILE,	/* no unflushed write survives */
 	TSP_CRASH_KEEP_VOLATILE,	/* every unflushed write survives */

@@ -1036,6 +1036,25 @@ static void test_metadata(void)
 	CHECK_R(tsp_pool_metadata_fail(p.pmd), 0);
 	tsp_pool_metadata_read_write(p.pmd);
 
+	/* A new handle: the abort above marked td1's. */
+	CHECK(tsp_thin_aborted_changes(td1));
+	tsp_pool_close_thin_device(td1);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td1), 0);
+
+	/* A commit fails: the abort drops td1's change, which it did not commit. */
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(tsp_thin_insert_block(td1, 900, b), 0);
+	tsp_bdev_fail_writes(p.bdev, true);
+	r = tsp_pool_commit_metadata(p.pmd);
+	tsp_bdev_fail_writes(p.bdev, false);
+	CHECK_R(r, -EIO);
+	CHECK(!tsp_thin_aborted_changes(td1));
+	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
+	CHECK(tsp_thin_aborted_changes(td1));
+	CHECK_R(tsp_thin_find_block(td1, 900, &res), -ENODATA);
+	tsp_pool_close_thin_device(td1);
+	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td1), 0);
+
 	/* A failed update empties the cache (the metadata is in doubt). */
 	CHECK_R(tsp_thin_find_block(td1, 1, &res), 0);
 	FAST_HIT(td1, 1, block[1], true);
