@@ -1,9 +1,9 @@
 #!/bin/bash
 # VM tests of our targets, thin-scal-pool and thin-scalable: basic IO
 # and status lines, snapshots, discard and isolation, zeroing (with WRITE
-# ZEROES, and in blocks too big for one bio), flush durability (after a
-# failed commit too), pool messages, out of data space, concurrent IO
-# with a snapshot.
+# ZEROES, and in blocks too big for one bio), flush durability (after an
+# abort too), pool messages, out of data space, concurrent IO with a
+# snapshot.
 #
 # TSP_POOL_TARGET=thin-pool TSP_THIN_TARGET=thin run the same tests against
 # the stock dm-thin (scripts/vm-run --env ...): the baseline that proves a
