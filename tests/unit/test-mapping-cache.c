@@ -1049,9 +1049,11 @@ static void test_metadata(void)
 	tsp_bdev_fail_writes(p.bdev, false);
 	CHECK_R(r, -EIO);
 	CHECK(!tsp_thin_aborted_changes(td1));
-	CHECK_R(tsp_pool_abort_metadata(p.pmd), 0);
+	/* As the pool gives up: abort, then commit needs_check. */
+	CHECK_R(tsp_pool_metadata_fail(p.pmd), 0);
 	CHECK(tsp_thin_aborted_changes(td1));
 	CHECK_R(tsp_thin_find_block(td1, 900, &res), -ENODATA);
+	tsp_pool_metadata_read_write(p.pmd);
 	tsp_pool_close_thin_device(td1);
 	CHECK_R(tsp_pool_open_thin_device(p.pmd, 1, &td1), 0);
 

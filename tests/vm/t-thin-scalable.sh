@@ -795,10 +795,24 @@ abort_after_write() {
 	done
 
 	commits=$(pool_stat commits)
-	dd if=a of=/dev/mapper/tss-thin0 bs=1M seek=8 count=1 oflag=direct \
-		conv=notrunc status=none || fail "the write before the abort failed"
-	# The discard reads the corrupt leaf.
-	expect_fail blkdiscard -o $((16 << 20)) -l $((1 << 20)) /dev/mapper/tss-thin1
+	# 1 MiB at 8 MiB written, then a discard that reads the corrupt leaf
+	# fails: one process, so that the waker's commit is unlikely to come
+	# in between.
+	python3 - <<'EOF' || fail "the write then discard failed: $?"
+import fcntl, mmap, os, struct, sys
+buf = mmap.mmap(-1, 1 << 20)
+with open('a', 'rb') as f:
+    buf.write(f.read(1 << 20))
+thin0 = os.open('/dev/mapper/tss-thin0', os.O_WRONLY | os.O_DIRECT)
+thin1 = os.open('/dev/mapper/tss-thin1', os.O_WRONLY)
+if os.pwrite(thin0, buf, 8 << 20) != 1 << 20:
+    sys.exit(2)
+try:
+    fcntl.ioctl(thin1, 0x1277, struct.pack('QQ', 16 << 20, 1 << 20))  # BLKDISCARD
+except OSError:
+    sys.exit(0)
+sys.exit(3)
+EOF
 	assert_eq ro "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode after the abort"
 	[ "$(pool_stat commits)" = "$commits" ]
 }
