@@ -810,10 +810,10 @@ static enum pool_mode switch_pool_mode(struct pool *pool, enum pool_mode from,
  */
 static void metadata_failed(struct pool *pool, const char *op, int r)
 {
-	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
-		    dm_device_name(pool->pool_md), op, r);
 	int r_abort;
 
+	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
+		    dm_device_name(pool->pool_md), op, r);
 	/*
 	 * Counted before and after the abort, so that the count read after
 	 * it differs from one read at any time before it ends: the discards
