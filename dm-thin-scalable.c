@@ -2151,14 +2151,36 @@ static void defer_bio(struct pool *pool, struct bio *bio)
 /*----------------------------------------------------------------
  * Pool lifetime
  *--------------------------------------------------------------*/
+/*
+ * The last commit of a pool going away: the metadata's close commits what
+ * is left without flushing the data device, so commit as ever (the flush
+ * first), and if that fails drop the transaction, so that nothing is
+ * committed over data that may not be on disk.  Read-only metadata
+ * refuses the abort; its close commits nothing either.
+ */
+static void final_commit(struct pool *pool)
+{
+	int r;
+
+	if (!commit(pool))
+		return;
+	r = tsp_pool_abort_metadata(pool->pmd);
+	if (r && r != -EPERM)
+		DMERR("%s: could not drop the uncommitted metadata transaction: %d",
+		      dm_device_name(pool->pool_md), r);
+}
+
 static void pool_destroy(struct pool *pool)
 {
 	unsigned int i;
 
 	cancel_delayed_work_sync(&pool->waker);
 	cancel_delayed_work_sync(&pool->no_space_timeout);
-	if (pool->pmd && tsp_pool_metadata_close(pool->pmd) < 0)
-		DMWARN("%s: metadata close failed", __func__);
+	if (pool->pmd) {
+		final_commit(pool);
+		if (tsp_pool_metadata_close(pool->pmd) < 0)
+			DMWARN("%s: metadata close failed", __func__);
+	}
 	if (pool->copier)
 		dm_kcopyd_client_destroy(pool->copier);
 	if (pool->wq)

@@ -665,6 +665,49 @@ test_data_write_error() {
 	teardown_pool
 }
 
+# The last commit of a pool being removed flushes the data device first,
+# as every commit does.  With the data device failing flushes (dm-flakey
+# erroring writes, over a loop device: a device without a write cache,
+# such as brd, never sees a flush), a transaction that unmapped a block
+# must be dropped, not committed by the metadata's close behind data that
+# may not be on disk.  dm-thin's close flushes too.
+test_teardown_failed_flush() {
+	local t=/dev/mapper/tss-thin0 loop flakey pool
+	need_targets
+	modprobe loop || skip "no loop module"
+	modprobe dm-flakey 2>/dev/null || true
+	dmsetup targets | grep -q '^flakey ' || skip "no dm-flakey"
+	mkdir tf
+	mount -t tmpfs -o size=80m none tf
+	truncate -s 64M tf/data
+	loop=$(losetup -f --show tf/data)
+	[ "$(cat "/sys/block/${loop#/dev/}/queue/write_cache")" = "write back" ] ||
+		skip "the loop device has no write cache: no flush would reach dm-flakey"
+	flakey="0 131072 flakey $loop 0"
+	brd_setup 1 64
+	dm_create tss-meta "0 131072 linear /dev/ram0 0"
+	dd if=/dev/zero of=/dev/mapper/tss-meta bs=4096 count=1 oflag=direct status=none
+	dm_create tss-data "$flakey 3600 0"	# up for an hour
+	pool="0 131072 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data"
+	dm_create tss-pool "$pool 128 $LOW_WATER 1 no_discard_passdown"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	# FUA: blocks 0 to 3 mapped and committed.
+	dd if=/dev/urandom of=$t bs=64k count=4 oflag=direct,sync status=none
+	set_data_table "$flakey 0 3600 1 error_writes"	# down: writes fail
+	blkdiscard -o 0 -l 65536 $t || fail "the discard failed"
+	dm_remove tss-thin0
+	dm_remove tss-pool
+	check_meta
+	thin_dump /dev/mapper/tss-meta >d.xml
+	assert_eq 4 "$(dump_mapped_in d.xml 0 0 4)" \
+		"blocks mapped after a removal whose data device flush failed"
+	dm_remove tss-data
+	dm_remove tss-meta
+	losetup -d "$loop"
+	umount tf
+}
+
 # --- 5. flush and durability ------------------------------------------------
 
 # Data blocks of device <id> mapped in thin_dump output <file> within
@@ -1556,6 +1599,7 @@ run_test thin_scalable_zeroing_huge_blocks test_zeroing_huge_blocks
 run_test thin_scalable_data_write_error test_data_write_error
 run_test thin_scalable_flush_durability test_flush_durability
 run_test thin_scalable_flush_after_abort test_flush_after_abort
+run_test thin_scalable_teardown_failed_flush test_teardown_failed_flush
 run_test thin_scalable_messages test_messages
 run_test thin_scalable_failed_message test_failed_message
 run_test thin_scalable_no_space test_no_space
