@@ -1520,7 +1520,10 @@ static int __lookup_block(struct tsp_thin_device *td, tsp_block_t virt,
  * @virt: virtual block
  * @result: out
  *
- * Returns 0 or -ENODATA if unmapped.  Context: may sleep (reads metadata).
+ * Context: may sleep (reads metadata).
+ *
+ * Return: 0; -ENODATA if unmapped; -EPERM if an update failed and awaits
+ * its abort; or the error of reading the metadata.
  */
 int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 			struct tsp_thin_lookup_result *result)

@@ -116,8 +116,9 @@ struct tsp_thin_lookup_result {
 };
 
 /*
- * Returns 0 or -ENODATA.  Caches what it finds in the mapping cache (as
- * does tsp_thin_find_mapped_range()).
+ * Returns 0, -ENODATA, -EPERM (a failed update awaits its abort) or a read
+ * error.  Caches what it finds in the mapping cache (as does
+ * tsp_thin_find_mapped_range()).
  */
 int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
 				     tsp_block_t virt,

@@ -73,7 +73,8 @@
  *                      no-space timeout (its deadline, and its change
  *                      of error_if_no_space); pool->ti being set or
  *                      cleared, and its table's events
- *   pool->commit_lock  a commit, and the IO path's mapping changes
+ *   pool->commit_lock  (taken before mode_lock, never after it) a
+ *                      commit, and the IO path's mapping changes
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
  *                      and its metadata commit; freed_this_transaction,
@@ -337,7 +338,7 @@ struct pool {
 	unsigned int epoch_index;
 	struct pool_stats __percpu *stats;
 	atomic64_t commits;
-	atomic_t aborts;			/* 2 per metadata_failed() call */
+	atomic_t aborts;	/* 2 per metadata_failed() call, refusals aside */
 
 	/*
 	 * Held over a commit and over the IO path's mapping changes, so
@@ -805,12 +806,30 @@ static enum pool_mode switch_pool_mode(struct pool *pool, enum pool_mode from,
 }
 
 /*
+ * Whether @r, the error of a metadata operation, is a mere refusal: the
+ * pool is read only or going read only, and no failed update awaits its
+ * abort.  The metadata went read only after the caller looked at the
+ * pool's mode, by a switch to read-only mode (the metadata refuses
+ * updates from the start of the switch, before the mode says so), or by
+ * a failure that has been aborted (by another thread, say).
+ */
+static bool metadata_refused(struct pool *pool, int r)
+{
+	return r == -EPERM && !tsp_pool_metadata_needs_abort(pool->pmd);
+}
+
+/*
  * A metadata operation failed: the transaction is half done.  Drop it,
- * flag the metadata for checking and stop changing it.
+ * flag the metadata for checking and stop changing it.  A refusal
+ * (metadata_refused()) changed nothing: the pool is on its way to
+ * read-only mode already.
  */
 static void metadata_failed(struct pool *pool, const char *op, int r)
 {
 	int r_abort;
+
+	if (metadata_refused(pool, r))
+		return;
 
 	DMERR_LIMIT("%s: metadata operation '%s' failed: error = %d",
 		    dm_device_name(pool->pool_md), op, r);
@@ -818,8 +837,9 @@ static void metadata_failed(struct pool *pool, const char *op, int r)
 	 * Counted before and after the abort, so that the count read after
 	 * it differs from one read at any time before it ends: the discards
 	 * queued for passdown then (issue_passdowns) may be of blocks the
-	 * rollback maps again.  A second failure, or a refusal of read-only
-	 * metadata, finds nothing left to do in tsp_pool_metadata_fail().
+	 * rollback maps again.  A second failure that lost the race to
+	 * another thread's abort finds nothing left to do in
+	 * tsp_pool_metadata_fail().
 	 */
 	atomic_inc(&pool->aborts);
 	r_abort = tsp_pool_metadata_fail(pool->pmd);
@@ -1047,7 +1067,11 @@ static int __commit(struct pool *pool)
 	r = pass_down ? tsp_pool_commit_metadata_hold_freed(pool->pmd) :
 			tsp_pool_commit_metadata(pool->pmd);
 	if (r) {
-		free_passdowns(pool);	/* the abort maps them again */
+		/*
+		 * The passdowns are kept: after an abort the next commit drops
+		 * them (issue_passdowns()); after a refusal the transaction
+		 * that freed them stands.
+		 */
 		metadata_failed(pool, "commit", r);
 		return r;
 	}
@@ -1858,6 +1882,7 @@ static void process_discard(struct worker *w, struct thin_c *tc,
 	sector_t end = bio_end_sector(bio);
 	tsp_block_t begin_b, end_b, b, tb, te, pb;
 	bool shared;
+	bool commit_failed = false;
 	u32 count;
 	int r = 0;
 
@@ -1911,19 +1936,24 @@ static void process_discard(struct worker *w, struct thin_c *tc,
 					defer_passdown(pool, pb + b);
 			}
 			/* Bound the list: the commit passes them down. */
-			if (pool->nr_passdowns >= MAX_PASSDOWNS &&
-			    __commit(pool)) {
-				mutex_unlock(&pool->commit_lock);
-				bio_io_error(bio);	/* __commit() logged it */
-				return;
+			if (!r && pool->nr_passdowns >= MAX_PASSDOWNS) {
+				r = __commit(pool);
+				commit_failed = r != 0;
 			}
 		}
 		begin_b = te;
 	}
 	mutex_unlock(&pool->commit_lock);
 
+	if (metadata_refused(pool, r)) {
+		/* Read only, or aborted, since the check above: ignored. */
+		bio_endio(bio);
+		return;
+	}
 	if (r) {
-		metadata_failed(pool, "discard", r);
+		/* __commit() has logged or aborted its own failure. */
+		if (!commit_failed)
+			metadata_failed(pool, "discard", r);
 		bio_io_error(bio);
 		return;
 	}
@@ -2015,6 +2045,12 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 			read_unprovisioned(tc, bio);
 		else
 			provision(w, tc, bio, virt, NULL);
+		return;
+	}
+	if (r == -EPERM) {
+		/* An update failed, one in thin_map() say: abort it. */
+		metadata_failed(pool, "find_block", r);
+		bio_io_error(bio);
 		return;
 	}
 	if (r) {
