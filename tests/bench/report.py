@@ -13,7 +13,13 @@ info.env, stats.tsv), and
 
 Ratios are taken round by round (a target's IOPS over linear's IOPS in the
 same round, which ran next to it) and then summarised (median, min, max):
-what the host does between rounds cancels out.  Standard library only.
+what the host does between rounds cancels out.  Within a round a target
+runs slower the later its place (session 33 in the README), so a round's
+ratio depends on the places of the two targets, which the rotation moves
+from round to round.  The balanced ratio takes the median of each kind of
+round (each pair of places) and then their geometric mean: a slowdown by
+place that hits every target alike cancels out of it.  Standard library
+only.
 """
 
 import argparse
@@ -84,6 +90,7 @@ def read_runs(path):
                 "runtime_ms": num(r["runtime_ms"]),
                 "io_kib": num(r["io_kib"]),
                 "error": r["error"] or None,
+                "place": int(r["place"]) if r.get("place") else None,
             })
     return runs
 
@@ -114,6 +121,22 @@ def read_stats(path):
     except OSError:
         pass
     return stats
+
+
+def balanced(pairs, kinds):
+    """Geometric mean over the kinds of round of the median ratio of each.
+
+    pairs: (ratio, kind) per round; kinds: how many kinds the rotation
+    makes (the places in a round).  None unless every kind ran.
+    """
+    groups = {}
+    for ratio, kind in pairs:
+        if ratio and kind:
+            groups.setdefault(kind, []).append(ratio)
+    if not kinds or len(groups) != kinds:
+        return None
+    logs = [math.log(statistics.median(g)) for g in groups.values()]
+    return math.exp(sum(logs) / len(logs))
 
 
 def summary(values):
@@ -150,6 +173,10 @@ def fmt_sum(s, fmt):
     return "%s [%s-%s]" % (fmt(s["median"]), fmt(s["min"]), fmt(s["max"]))
 
 
+def fmt_balanced(s):
+    return fmt_ratio(s.get("balanced")) if s else "-"
+
+
 def build(runs, stats):
     jobs = [j for j in JOBS if any(r["job"] == j for r in runs)]
     jobs += sorted({r["job"] for r in runs} - set(jobs))
@@ -170,6 +197,7 @@ def build(runs, stats):
     result = {}
     for j in jobs:
         result[j] = {}
+        kinds = max((r["place"] or 0 for r in runs if r["job"] == j), default=0)
         for t in targets:
             iops = [by[(j, n, t)]["iops"] for n in rounds if (j, n, t) in by]
             bw = [by[(j, n, t)]["bw_bytes"] for n in rounds if (j, n, t) in by]
@@ -192,19 +220,25 @@ def build(runs, stats):
             if per_pass:
                 ent["deferred_per_pass"] = summary(per_pass)
             for base in ("linear", "thin-pool"):
-                ratios = []
+                pairs = []
                 for n in rounds:
                     a = by.get((j, n, t))
                     b = by.get((j, n, base))
                     if a and b and a["iops"] is not None and b["iops"]:
-                        ratios.append(a["iops"] / b["iops"])
-                ent["vs_" + base.replace("-", "_")] = summary(ratios)
+                        kind = (a["place"], b["place"])
+                        pairs.append((a["iops"] / b["iops"],
+                                      kind if all(kind) else None))
+                s = summary([r for r, _ in pairs])
+                if s and t != base:
+                    s["balanced"] = balanced(pairs, kinds)
+                ent["vs_" + base.replace("-", "_")] = s
             result[j][t] = ent
     return jobs, targets, result
 
 
 def table(jobs, targets, result, markdown=False):
-    head = ["job", "target", "IOPS median [min-max]", "x linear", "x thin-pool"]
+    head = ["job", "target", "IOPS median [min-max]", "x linear", "balanced",
+            "x thin-pool"]
     rows = []
     for j in jobs:
         for t in targets:
@@ -214,6 +248,7 @@ def table(jobs, targets, result, markdown=False):
                 iops += " (%d failed)" % e["errors"]
             rows.append([j, TARGET_LABELS.get(t, t), iops,
                          fmt_sum(e["vs_linear"], fmt_ratio),
+                         fmt_balanced(e["vs_linear"]),
                          fmt_sum(e["vs_thin_pool"], fmt_ratio)])
     if markdown:
         out = ["| " + " | ".join(head) + " |",
@@ -360,7 +395,9 @@ def main():
         "targets": targets,
         "notes": ("Ratios are per round (a target's IOPS over the baseline's "
                   "IOPS in the same round), then median/min/max over the "
-                  "rounds. Absolute IOPS under qemu TCG mean little."),
+                  "rounds; balanced: the geometric mean over the kinds of "
+                  "round (the two targets' places) of each kind's median. "
+                  "Absolute IOPS under qemu TCG mean little."),
         "summary": result,
         "runs": runs,
     }
@@ -378,7 +415,9 @@ def main():
     print()
     print(title)
     print("(IOPS: median [min-max] over the rounds; x linear, x thin-pool: "
-          "ratio to that target in the same round, median [min-max])")
+          "ratio to that target in the same round, median [min-max];")
+    print(" balanced: geometric mean over the orders of the rounds of the "
+          "median ratio to linear in each)")
     print()
     print(table(jobs, targets, result))
     print()
