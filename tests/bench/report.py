@@ -18,7 +18,8 @@ runs slower the later its place (session 33 in the README), so a round's
 ratio depends on the places of the two targets, which the rotation moves
 from round to round.  The balanced ratio takes the median of each kind of
 round (each pair of places) and then their geometric mean: a slowdown by
-place that hits every target alike cancels out of it.  Standard library
+place that slows every target by the same factor cancels out of it (one
+that differs by target is averaged over the places).  Standard library
 only.
 """
 
@@ -395,8 +396,9 @@ def main():
         "targets": targets,
         "notes": ("Ratios are per round (a target's IOPS over the baseline's "
                   "IOPS in the same round), then median/min/max over the "
-                  "rounds; balanced: the geometric mean over the kinds of "
-                  "round (the two targets' places) of each kind's median. "
+                  "rounds; balanced (for both baselines): the geometric mean "
+                  "over the kinds of round (the two targets' places) of each "
+                  "kind's median. "
                   "Absolute IOPS under qemu TCG mean little."),
         "summary": result,
         "runs": runs,
@@ -416,8 +418,8 @@ def main():
     print(title)
     print("(IOPS: median [min-max] over the rounds; x linear, x thin-pool: "
           "ratio to that target in the same round, median [min-max];")
-    print(" balanced: geometric mean over the orders of the rounds of the "
-          "median ratio to linear in each)")
+    print(" balanced: geometric mean over the kinds of round, by the two "
+          "targets' places, of the median ratio to linear in each)")
     print()
     print(table(jobs, targets, result))
     print()
