@@ -127,12 +127,13 @@ def read_stats(path):
 def balanced(pairs, kinds):
     """Geometric mean over the kinds of round of the median ratio of each.
 
-    pairs: (ratio, kind) per round; kinds: how many kinds the rotation
-    makes (the places in a round).  None unless every kind ran.
+    pairs: (ratio, kind) per round, kind the two targets' places (None
+    where unknown); kinds: how many kinds the rotation makes (the places
+    in a round).  None unless every kind ran.
     """
     groups = {}
     for ratio, kind in pairs:
-        if ratio and kind:
+        if all(kind):
             groups.setdefault(kind, []).append(ratio)
     if not kinds or len(groups) != kinds:
         return None
@@ -226,9 +227,8 @@ def build(runs, stats):
                     a = by.get((j, n, t))
                     b = by.get((j, n, base))
                     if a and b and a["iops"] is not None and b["iops"]:
-                        kind = (a["place"], b["place"])
                         pairs.append((a["iops"] / b["iops"],
-                                      kind if all(kind) else None))
+                                      (a["place"], b["place"])))
                 s = summary([r for r, _ in pairs])
                 if s and t != base:
                     s["balanced"] = balanced(pairs, kinds)
