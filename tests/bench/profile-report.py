@@ -5,12 +5,15 @@ guest CPU time per IO that perf's samples show (summed over the vCPUs,
 the whole run: fio's start too), and the functions that cost more per IO
 than on the reference target (the first in profile.env's targets): by
 their own samples (self) and by the samples with them on the stack
-(inclusive).
+(inclusive).  For a run of scripts/profile --insns (count=insns in
+profile.env): guest instructions per IO instead of time, exact, by
+function (their own: the counts have no call stacks).
 
 usage: profile-report.py [--top N] [--tree FUNC]... DIR
 """
 
 import argparse
+import bisect
 import collections
 import gzip
 import os
@@ -68,6 +71,76 @@ def fio_ios(path):
     raise ValueError(f'{path}: no IO in fio\'s terse output')
 
 
+class Symbols:
+    """The guest's /proc/kallsyms: the function an address is in."""
+
+    def __init__(self, path):
+        syms = []
+        with open(path) as f:
+            for line in f:
+                x = line.split()
+                # Text symbols; "[module]" follows a module's.
+                if len(x) >= 3 and x[1] in 'tTwW' and int(x[0], 16):
+                    syms.append((int(x[0], 16), ' '.join(x[2:])))
+        syms.sort()
+        self.addrs = [a for a, _ in syms]
+        self.names = [n for _, n in syms]
+
+    def name(self, addr):
+        i = bisect.bisect_right(self.addrs, addr) - 1
+        return self.names[i] if i >= 0 and addr else '(unknown)'
+
+
+def insn_counts(path, symbols):
+    """One of insn-count.c's files: instructions per function, and in
+    user space (under "(user space)")."""
+    counts = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            key, value = line.split()
+            fn = '(user space)' if key == 'user' else symbols.name(int(key, 16))
+            counts[fn] += int(value)
+    return counts
+
+
+def report_insns(args, env, targets):
+    """The report of a run of scripts/profile --insns."""
+    if args.tree:
+        sys.exit('profile-report: --tree needs call stacks: perf\'s runs only')
+    symbols = Symbols(os.path.join(args.dir, 'kallsyms'))
+    runs = {}
+    for i, t in enumerate(targets):
+        try:
+            # Marks before and after each run: the i-th run is file 2i+1.
+            counts = insn_counts(os.path.join(args.dir, f'insns-{2 * i + 1}.tsv'),
+                                 symbols)
+            runs[t] = (counts, *fio_ios(os.path.join(args.dir, f'{t}.fio')))
+        except (OSError, ValueError) as e:
+            sys.exit(f'profile-report: {args.dir}: no result for {t}: {e}')
+
+    ref = targets[0]
+    print(f'{env.get("job")}, {env.get("kernel")}, {env.get("vcpus")} vCPU,'
+          ' guest instructions per IO (the whole run: fio\'s start too)')
+    print('  target          IOPS  instructions/IO  of them in user space')
+    for t, (counts, ios, iops) in runs.items():
+        print(f'  {t:14s} {iops:6.0f} {sum(counts.values()) / ios:16.0f}'
+              f' {counts["(user space)"] / ios:22.0f}')
+    rcounts, rios, _ = runs[ref]
+    rtotal = sum(rcounts.values()) / rios
+    for t, (counts, ios, _) in runs.items():
+        if t == ref:
+            continue
+        total = sum(counts.values()) / ios
+        print(f'\n{t} against {ref}: {total - rtotal:+.0f} instructions per IO'
+              f' ({ref}\'s over {t}\'s: {rtotal / total:.4f}); the functions'
+              f' whose count differs most (per IO: {ref}, {t}, difference):')
+        diff = {fn: counts[fn] / ios - rcounts[fn] / rios
+                for fn in set(counts) | set(rcounts)}
+        for fn in sorted(diff, key=lambda k: -abs(diff[k]))[:args.top]:
+            print(f'  {rcounts[fn] / rios:9.1f} {counts[fn] / ios:9.1f}'
+                  f' {diff[fn]:+9.1f}  {fn}')
+
+
 def print_tree(prof, root, ios, depth=4, min_share=0.02):
     """The call tree below @root, in us per 1000 IOs."""
     tree = collections.Counter()
@@ -109,6 +182,9 @@ def main():
             k, _, v = line.strip().partition('=')
             env[k] = v
     targets = env.get('targets', '').split()
+    if env.get('count') == 'insns':
+        report_insns(args, env, targets)
+        return
     runs = {}
     for t in targets:
         try:
