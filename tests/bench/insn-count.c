@@ -7,19 +7,23 @@
  *
  * The guest marks by executing "xchg %bx,%bx" (tests/bench/insn-mark.c;
  * nothing else runs it).  At the n-th mark the plugin writes
- * <out>/insns-<n>.tsv, the counts since the mark before (since boot for
- * the first), and starts again from zero:
+ * <out>/insns-<n>.tsv, the counts since the mark before (since qemu
+ * started for the first), and starts again from zero:
  *
  *	user	<instructions in user space>
  *	<hex address>	<instructions in the blocks that start there>
  *
- * A block ends at a branch, call or return, so it lies in one function:
- * scripts/profile's report names it with the guest's /proc/kallsyms.
+ * A block ends at a branch, call or return, so it lies in one function
+ * (but where one falls through into the next): scripts/profile's report
+ * names it with the guest's /proc/kallsyms.
  *
- * Counting: every block adds its instruction count to its address's
- * counter when it runs (qemu's inline add, no call out of the translated
- * code).  The adds are not atomic: with several vCPUs running at once
- * some are lost, so the counts are exact with one vCPU only.  Counters
+ * What counts: every block adds its instruction count to its address's
+ * counter when it is entered (qemu's inline add, no call out of the
+ * translated code).  So a block that faults part way counts whole, and a
+ * string instruction with a rep prefix counts once per repeat (qemu 7.2
+ * runs one repeat per pass through its block): a 4 KiB copy by rep movsq
+ * counts 512.  The adds are not atomic: with several vCPUs running at
+ * once some are lost, so the counts hold with one vCPU only.  Counters
  * live in a fixed open-addressing table that never moves (the translated
  * code holds their addresses); blocks beyond its room are counted in one
  * overflow counter, reported as address 0.
@@ -27,7 +31,8 @@
  * Locking: the table's inserts (at translation, which MTTCG may run on
  * several vCPU threads at once) and the writing out take table_lock.
  *
- * Built against Debian 12's qemu 7.2 plugin API (version 1).
+ * Built against Debian 12's qemu 7.2 plugin API (version 1), for x86-64
+ * system emulation.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -42,6 +47,7 @@ QEMU_PLUGIN_EXPORT int qemu_plugin_version = QEMU_PLUGIN_VERSION;
 #define TABLE_BITS 20
 #define TABLE_SIZE (1UL << TABLE_BITS)
 #define KERNEL_START 0xffff800000000000ULL
+
 static const uint8_t mark_insn[] = { 0x66, 0x87, 0xdb };	/* xchg %bx,%bx */
 
 struct block_count {
@@ -81,7 +87,8 @@ static void write_counts(unsigned int vcpu, void *udata)
 	FILE *f;
 
 	pthread_mutex_lock(&table_lock);
-	snprintf(path, sizeof(path), "%s/insns-%u.tsv", out_dir, marks++);
+	snprintf(path, sizeof(path), "%s/insns-%u.tsv", out_dir, marks);
+	marks++;
 	f = fopen(path, "w");
 	if (!f) {
 		fprintf(stderr, "insn-count: cannot write %s: %s\n", path, strerror(errno));
@@ -89,10 +96,11 @@ static void write_counts(unsigned int vcpu, void *udata)
 		fprintf(f, "user\t%" PRIu64 "\n", user_insns);
 		if (overflow_insns)
 			fprintf(f, "0\t%" PRIu64 "\n", overflow_insns);
-		for (i = 0; i < TABLE_SIZE; i++)
+		for (i = 0; i < TABLE_SIZE; i++) {
 			if (table[i].insns)
 				fprintf(f, "%" PRIx64 "\t%" PRIu64 "\n",
 					table[i].vaddr, table[i].insns);
+		}
 		if (fclose(f))
 			fprintf(stderr, "insn-count: writing %s failed\n", path);
 	}
@@ -104,8 +112,10 @@ static void write_counts(unsigned int vcpu, void *udata)
 
 static void translate_block(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 {
-	uint64_t vaddr = qemu_plugin_tb_vaddr(tb), *counter = &user_insns;
-	size_t n = qemu_plugin_tb_n_insns(tb), i;
+	uint64_t vaddr = qemu_plugin_tb_vaddr(tb);
+	uint64_t *counter = &user_insns;
+	size_t n = qemu_plugin_tb_n_insns(tb);
+	size_t i;
 
 	for (i = 0; i < n; i++) {
 		struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
@@ -129,9 +139,14 @@ QEMU_PLUGIN_EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_
 {
 	int i;
 
+	if (!info->system_emulation || strcmp(info->target_name, "x86_64") != 0) {
+		fprintf(stderr, "insn-count: for x86-64 system emulation only\n");
+		return -1;
+	}
 	for (i = 0; i < argc; i++) {
-		if (strncmp(argv[i], "out=", 4)) {
-			fprintf(stderr, "insn-count: unknown argument '%s'\n", argv[i]);
+		if (strncmp(argv[i], "out=", 4) != 0 || !argv[i][4]) {
+			fprintf(stderr, "insn-count: unknown argument '%s' (out=DIR)\n",
+				argv[i]);
 			return -1;
 		}
 		snprintf(out_dir, sizeof(out_dir), "%s", argv[i] + 4);

@@ -5,12 +5,12 @@
  * without libc (scripts/profile --insns), so that it runs in the guest
  * and executes nothing else worth counting.
  */
+#define NR_EXIT 60
+
 void _start(void)
 {
-	__asm__ volatile("xchg %%bx, %%bx\n\t"
-			 "mov $60, %%eax\n\t"	/* exit(0) */
-			 "xor %%edi, %%edi\n\t"
-			 "syscall"
-			 : : : "memory");
+	asm volatile("xchg %%bx, %%bx\n\t"
+		     "syscall"
+		     : : "a" (NR_EXIT), "D" (0) : "rcx", "r11", "memory");
 	__builtin_unreachable();
 }

@@ -6,8 +6,9 @@ the whole run: fio's start too), and the functions that cost more per IO
 than on the reference target (the first in profile.env's targets): by
 their own samples (self) and by the samples with them on the stack
 (inclusive).  For a run of scripts/profile --insns (count=insns in
-profile.env): guest instructions per IO instead of time, exact, by
-function (their own: the counts have no call stacks).
+profile.env): guest instructions per IO instead of time, by function
+(their own: the counts have no call stacks), and the functions whose
+count differs most from the reference target's.
 
 usage: profile-report.py [--top N] [--tree FUNC]... DIR
 """
@@ -108,6 +109,9 @@ def report_insns(args, env, targets):
     if args.tree:
         sys.exit('profile-report: --tree needs call stacks: perf\'s runs only')
     symbols = Symbols(os.path.join(args.dir, 'kallsyms'))
+    # Two marks per target: a file more means a mark that was not ours.
+    if os.path.exists(os.path.join(args.dir, f'insns-{2 * len(targets)}.tsv')):
+        sys.exit(f'profile-report: {args.dir}: more marks than the runs made')
     runs = {}
     for i, t in enumerate(targets):
         try:
@@ -120,7 +124,8 @@ def report_insns(args, env, targets):
 
     ref = targets[0]
     print(f'{env.get("job")}, {env.get("kernel")}, {env.get("vcpus")} vCPU,'
-          ' guest instructions per IO (the whole run: fio\'s start too)')
+          ' guest instructions per IO (the whole run: fio\'s start too;'
+          ' IOPS under the plugin)')
     print('  target          IOPS  instructions/IO  of them in user space')
     for t, (counts, ios, iops) in runs.items():
         print(f'  {t:14s} {iops:6.0f} {sum(counts.values()) / ios:16.0f}'
@@ -131,9 +136,9 @@ def report_insns(args, env, targets):
         if t == ref:
             continue
         total = sum(counts.values()) / ios
-        print(f'\n{t} against {ref}: {total - rtotal:+.0f} instructions per IO'
-              f' ({ref}\'s over {t}\'s: {rtotal / total:.4f}); the functions'
-              f' whose count differs most (per IO: {ref}, {t}, difference):')
+        print(f'\n{t} against {ref}: {total - rtotal:+.0f} instructions per IO;'
+              ' the functions whose count differs most'
+              f' (per IO: {ref}, {t}, difference):')
         diff = {fn: counts[fn] / ios - rcounts[fn] / rios
                 for fn in set(counts) | set(rcounts)}
         for fn in sorted(diff, key=lambda k: -abs(diff[k]))[:args.top]:
