@@ -85,6 +85,22 @@ static u32 max_entries(struct btree_node *n)
 	return le32_to_cpu(n->header.max_entries);
 }
 
+static bool node_full(struct btree_node *n)
+{
+	return nr_entries(n) >= max_entries(n);
+}
+
+/*
+ * An insert found node @b full where the tree's shape promises room:
+ * its keys are out of order, which no node check on reading sees.
+ */
+static int full_node_error(struct tsp_block *b)
+{
+	DMERR("btree node %llu is full where it should have room: keys out of order",
+	      (unsigned long long)tsp_block_location(b));
+	return -EILSEQ;
+}
+
 static u32 value_size(struct btree_node *n)
 {
 	return le32_to_cpu(n->header.value_size);
@@ -441,9 +457,10 @@ static int split_beneath(struct tsp_btree_info *info, struct tsp_block *root)
 
 /*
  * Child @i of @parent is full: move its upper half into a new sibling
- * inserted after it.  @parent has room (it was split before we came down).
+ * inserted after it.  @parent has room (it was split before we came down),
+ * unless its keys are out of order: that is refused.
  */
-static int split_child(struct tsp_btree_info *info, struct btree_node *parent,
+static int split_child(struct tsp_btree_info *info, struct tsp_block *parent,
 		       u32 i, struct tsp_block *child,
 		       struct tsp_block **sibling)
 {
@@ -452,13 +469,15 @@ static int split_child(struct tsp_btree_info *info, struct btree_node *parent,
 	__le64 loc;
 	int r;
 
+	if (node_full(node_of(parent)))
+		return full_node_error(parent);
 	r = new_node_with(info, c, nr_left, nr - nr_left, sibling);
 	if (r)
 		return r;
 	set_nr_entries(c, nr_left);
 
 	loc = cpu_to_le64(tsp_block_location(*sibling));
-	insert_entry(parent, i + 1, key_at(node_of(*sibling), 0), &loc);
+	insert_entry(node_of(parent), i + 1, key_at(node_of(*sibling), 0), &loc);
 	return 0;
 }
 
@@ -547,13 +566,18 @@ static int share_with_sibling(struct tsp_btree_info *info, struct btree_node *n,
 	if (in_right != (rn == c))
 		swap(*child, sib);
 	tsp_tm_unlock(info->tm, sib);
+	if (node_full(node_of(*child))) {
+		r = full_node_error(*child);
+		tsp_tm_unlock(info->tm, *child);
+		return r;
+	}
 	return 0;
 }
 
 /**
- * make_room - make room in full child @i of @n before descending into it
+ * make_room - make room in full child @i of @parent before descending into it
  * @info: tree description
- * @n: the parent, write locked, with room for one more entry
+ * @parent: the parent, write locked, with room for one more entry
  * @i: the child's index
  * @key: the key being inserted
  * @child: in, the full child, write locked; out, the node @key now
@@ -563,9 +587,10 @@ static int share_with_sibling(struct tsp_btree_info *info, struct btree_node *n,
  * splits the child only when neither takes part.  On error @child is
  * unlocked.
  */
-static int make_room(struct tsp_btree_info *info, struct btree_node *n, u32 i,
-		     u64 key, struct tsp_block **child)
+static int make_room(struct tsp_btree_info *info, struct tsp_block *parent,
+		     u32 i, u64 key, struct tsp_block **child)
 {
+	struct btree_node *n = node_of(parent);
 	struct tsp_block *sibling;
 	int r = 1;
 
@@ -576,7 +601,7 @@ static int make_room(struct tsp_btree_info *info, struct btree_node *n, u32 i,
 	if (r <= 0)
 		return r;
 
-	r = split_child(info, n, i, *child, &sibling);
+	r = split_child(info, parent, i, *child, &sibling);
 	if (r) {
 		tsp_tm_unlock(info->tm, *child);
 		return r;
@@ -638,7 +663,7 @@ static int __insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 	if (r)
 		return r;
 	n = node_of(blk);
-	if (nr_entries(n) == max_entries(n)) {
+	if (node_full(n)) {
 		r = split_beneath(info, blk);
 		if (r)
 			goto out;
@@ -673,8 +698,8 @@ static int __insert(struct tsp_btree_info *info, tsp_block_t root, u64 key,
 		}
 		set_child(n, i, tsp_block_location(child));
 
-		if (nr_entries(node_of(child)) == max_entries(node_of(child))) {
-			r = make_room(info, n, i, key, &child);
+		if (node_full(node_of(child))) {
+			r = make_room(info, blk, i, key, &child);
 			if (r)
 				goto out;
 			/* @key may now belong in a sibling. */
@@ -816,7 +841,7 @@ static int cursor_leaf(struct tsp_btree_cursor *cursor, tsp_block_t root,
 		r = cursor->parked ? unpark(cursor) : !cursor->leaf;
 		if (!r) {
 			*leaf = node_of(cursor->leaf);
-			r = nr_entries(*leaf) == max_entries(*leaf);
+			r = node_full(*leaf);
 		}
 	}
 	if (r)

@@ -1920,6 +1920,53 @@ static void test_mixed_siblings(void)
 	printf("ok   %s\n", phase);
 }
 
+/*
+ * A full leaf whose keys are out of order, which every check on reading
+ * passes: an insert that evens it out with a sibling must not choose a
+ * node that is still full, nor insert past its end.
+ */
+static void test_unordered_full_leaf(void)
+{
+	struct ctx *c = ctx_create(256, 8, false);
+	struct tree *t = c->t;
+	struct tsp_block *blk;
+	__le32 *hdr;
+	__le64 *keys;
+	u32 k;
+
+	phase = "a full leaf with keys out of order";
+	key_stride = 1;
+	new_tree(c, &t[0]);
+	/* Leaves of keys 0 to 251, 252 to 377 and 378 to 599... */
+	for (k = 0; k < 600; k++)
+		CHECK_R(op_insert(c, &t[0], k, k % NV), 0);
+	/* ... and of 96 keys, the last one. */
+	for (k = 378; k < 504; k++)
+		CHECK_R(op_remove(c, &t[0], k), 0);
+	commit(c);
+	CHECK(tree_depth(c, t[0].root) == 2);
+
+	/*
+	 * The middle leaf made full, its first key the largest, the others
+	 * 253, 253, 254, 254, ...  Key 301 goes to it: its left sibling is
+	 * full, so the right one takes all but its first 96 entries and is
+	 * full then, and its first key, 300, sends 301 there.
+	 */
+	CHECK_R(tsp_bm_write_lock(c->bm, node_child(c, t[0].root, 1),
+				  &tsp_btree_node_validator, &blk), 0);
+	hdr = tsp_block_data(blk);
+	hdr[4] = cpu_to_le32(252);	/* nr_entries, of max_entries 252 */
+	keys = (__le64 *)(hdr + 8);
+	keys[0] = cpu_to_le64(100000);
+	for (k = 1; k < 252; k++)
+		keys[k] = cpu_to_le64(253 + (k - 1) / 2);
+	tsp_bm_unlock(blk);
+
+	CHECK_R(op_insert(c, &t[0], 301, 0), -EILSEQ);
+	ctx_destroy(c);
+	printf("ok   %s\n", phase);
+}
+
 /* Copy of the committed superblock block, to roll a later commit back. */
 static void save_superblock(struct ctx *c, u8 *copy)
 {
@@ -2063,6 +2110,7 @@ int main(int argc, char **argv)
 	test_io_failures();
 	test_enospc();
 	test_mixed_siblings();
+	test_unordered_full_leaf();
 	for (v = 0; v < ARRAY_SIZE(vts); v++)
 		for (o = SEQUENTIAL; o <= RANDOM; o++)
 			test_density(&vts[v], o);
