@@ -2253,7 +2253,6 @@ static void init_worker(struct worker *w, struct pool *pool)
 static struct pool *pool_create(struct mapped_device *pool_md,
 				struct block_device *metadata_bdev,
 				struct block_device *data_bdev,
-				tsp_block_t nr_data_blocks,
 				u32 sectors_per_block, bool format, char **error)
 {
 	struct pool *pool;
@@ -2290,8 +2289,15 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		*error = "Error taking the pool's own references to its devices";
 		goto bad;
 	}
+	/*
+	 * Blank metadata is formatted with no data blocks, as dm-thin does:
+	 * the table's length is checked against the data device only after
+	 * the constructor, and the first resume grows the pool to it.  A
+	 * size taken from a table that then fails to load would stay on
+	 * disk, and a pool cannot shrink.
+	 */
 	r = tsp_pool_metadata_open(pool->metadata_dev.bdev, sectors_per_block,
-				   nr_data_blocks, format, &pool->pmd);
+				   0, format, &pool->pmd);
 	if (r) {
 		*error = "Error creating metadata object";
 		goto bad;
@@ -2379,8 +2385,7 @@ bad:
  */
 static struct pool *pool_find(struct mapped_device *pool_md,
 			      struct block_device *metadata_bdev,
-			      struct block_device *data_bdev,
-			      tsp_block_t nr_data_blocks, u32 sectors_per_block,
+			      struct block_device *data_bdev, u32 sectors_per_block,
 			      const struct pool_features *pf, char **error)
 {
 	struct pool *pool;
@@ -2422,8 +2427,8 @@ static struct pool *pool_find(struct mapped_device *pool_md,
 		return pool;
 	}
 	/* A read-only pool never formats its metadata device. */
-	pool = pool_create(pool_md, metadata_bdev, data_bdev, nr_data_blocks,
-			   sectors_per_block, pf->mode != PM_READ_ONLY, error);
+	pool = pool_create(pool_md, metadata_bdev, data_bdev, sectors_per_block,
+			   pf->mode != PM_READ_ONLY, error);
 	if (!IS_ERR(pool))
 		pool->pf.discard_enabled = pf->discard_enabled;
 	return pool;
@@ -2594,8 +2599,7 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	}
 
 	pool = pool_find(dm_table_get_md(ti->table), metadata_dev->bdev,
-			 data_dev->bdev, div_u64(ti->len, block_size), block_size,
-			 &pf, &ti->error);
+			 data_dev->bdev, block_size, &pf, &ti->error);
 	if (IS_ERR(pool)) {
 		r = PTR_ERR(pool);
 		goto out_free;
@@ -2669,9 +2673,9 @@ static const struct pool_space metadata_space = {
 };
 
 /*
- * Grow @space to @want blocks, and commit.  Shrinking is refused in
- * every mode; a pool that cannot write its metadata grows when it next
- * can.
+ * Grow @space to @want blocks, and commit (a failed commit does not fail
+ * the grow).  Shrinking is refused in every mode; a pool that cannot
+ * write its metadata grows when it next can.
  */
 static int grow_space(struct pool *pool, const struct pool_space *space,
 		      tsp_block_t want)
@@ -2680,8 +2684,11 @@ static int grow_space(struct pool *pool, const struct pool_space *space,
 	int r;
 
 	r = space->get_size(pool->pmd, &have);
-	if (r)
+	if (r) {
+		DMERR("%s: cannot read the size of the %s: %d",
+		      dm_device_name(pool->pool_md), space->device, r);
 		return r;
+	}
 	if (want < have) {
 		DMERR("%s: %s (%llu blocks) is smaller than before (%llu blocks)",
 		      dm_device_name(pool->pool_md), space->device,
@@ -2696,7 +2703,13 @@ static int grow_space(struct pool *pool, const struct pool_space *space,
 		metadata_failed(pool, space->resize_op, r);
 		return r;
 	}
-	return commit(pool);
+	/*
+	 * As dm-thin: commit() deals with its own failure, which must not
+	 * keep the pool from resuming.  A commit that failed at the flush
+	 * leaves the new size in the transaction for the next one.
+	 */
+	commit(pool);
+	return 0;
 }
 
 /* Grow the pool to its table's length and to its metadata device's. */

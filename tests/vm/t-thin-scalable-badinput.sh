@@ -156,6 +156,16 @@ test_bad_input() {
 	dm_create tss-tiny "0 8 linear /dev/ram4 0"
 	bad_table "0 131072 $P /dev/mapper/tss-tiny /dev/ram1 128 0"
 	dm_remove tss-tiny
+	# Zeroed metadata and a pool longer than its data device: refused
+	# after the constructor has formatted the metadata, whose size must
+	# not come from that table: the right length then loads and resumes.
+	dd if=/dev/zero of=/dev/ram4 bs=64k count=16 oflag=direct status=none
+	bad_table "0 99999999 $P /dev/ram4 /dev/ram1 128 0"
+	dm_create tss-fresh "0 131072 $P /dev/ram4 /dev/ram1 128 0"
+	assert_eq 1024 "$(dm_status tss-fresh | cut -d' ' -f3 | cut -d/ -f2)" \
+		"data blocks of a pool formatted after a refused table"
+	dm_remove tss-fresh
+	check_meta /dev/ram4
 
 	# --- with the pool up: a second pool on its metadata, reloads that
 	# would swap its devices or block size, thin lines
