@@ -425,7 +425,8 @@ static int load_index_entry(void *context, u64 key, void *value)
 	}
 	ie = &sm->index[key];
 	tsp_index_entry_unpack(value, ie);
-	if (!ie->blocknr || ie->nr_free > TSP_ENTRIES_PER_BITMAP) {
+	if (!ie->blocknr || ie->nr_free > TSP_ENTRIES_PER_BITMAP ||
+	    ie->none_free_before > TSP_ENTRIES_PER_BITMAP) {
 		DMERR("data space map index entry %llu is corrupt",
 		      (unsigned long long)key);
 		return -EILSEQ;
@@ -566,9 +567,16 @@ int tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b, u32 *count)
 		      (unsigned long long)b);
 		return -EILSEQ;
 	}
-	if (!r)
-		*count = le32_to_cpu(v);
-	return r;
+	if (r)
+		return r;
+	*count = le32_to_cpu(v);
+	if (*count < 3) {
+		/* A count below 3 lives in the bitmap alone. */
+		DMERR("data block %llu has an overflow reference count of %u",
+		      (unsigned long long)b, *count);
+		return -EILSEQ;
+	}
+	return 0;
 }
 
 /*

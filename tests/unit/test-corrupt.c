@@ -1115,6 +1115,13 @@ static void test_value_damage(void)
 
 		damage_init(d);
 		p = damage_block(d, b);
+		put_le32(p, node_value_off(p, 0) + 12, BITMAP_ENTRIES + 1);
+		reseal(p, SALT_NODE);
+		try_damage("data index entry: none_free_before > entries", d,
+			   MUST_REFUSE, false, CASE_TIMEOUT);
+
+		damage_init(d);
+		p = damage_block(d, b);
 		put_le32(p, node_value_off(p, 0) + 8, BITMAP_ENTRIES + 1);
 		reseal(p, SALT_NODE);
 		try_damage("data index entry: nr_free > entries", d, MUST_REFUSE,
