@@ -314,6 +314,27 @@ static int load_bitmap(struct tsp_metadata_sm *sm, struct tsp_tm *tm, u32 i,
 	return 0;
 }
 
+/*
+ * The map's own blocks, its index and bitmaps, must be in use in it: one
+ * without a count could be handed out as a new block, and overwritten
+ * while the committed map still needs it.
+ */
+static int check_own_blocks(struct tsp_metadata_sm *sm)
+{
+	u32 i, n = nr_bitmaps(sm->nr_blocks);
+	tsp_block_t b;
+
+	for (i = 0; i <= n; i++) {
+		b = i < n ? sm->bitmap_locs[i] : sm->index_loc;
+		if (b >= sm->nr_blocks || !sm->counts[b]) {
+			DMERR("metadata space map: its %s block %llu is not in use in it",
+			      i < n ? "bitmap" : "index", (unsigned long long)b);
+			return -EILSEQ;
+		}
+	}
+	return 0;
+}
+
 /**
  * tsp_msm_open - read the metadata space map of an existing pool
  * @tm: transaction manager (its space map is not needed to read)
@@ -379,6 +400,9 @@ int tsp_msm_open(struct tsp_tm *tm, const void *root,
 		r = -EILSEQ;
 		goto bad;
 	}
+	r = check_own_blocks(sm);
+	if (r)
+		goto bad;
 
 	*result = sm;
 	return 0;
