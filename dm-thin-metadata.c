@@ -1478,6 +1478,23 @@ static int __set_device_root(struct tsp_thin_device *td, tsp_block_t old,
 	return r;
 }
 
+/*
+ * The data block and time of a mapping that IO is to be sent to: a block
+ * beyond the data space map is corrupt metadata, never remapped to.
+ */
+static int __unpack_mapping_for_io(struct tsp_pool_metadata *pmd, __le64 value,
+				   tsp_block_t *data, u32 *time)
+{
+	unpack_mapping(le64_to_cpu(value), data, time);
+	if (*data >= tsp_data_sm_nr_blocks(pmd->data_sm)) {
+		DMERR("a mapping to data block %llu, of %llu",
+		      (unsigned long long)*data,
+		      (unsigned long long)tsp_data_sm_nr_blocks(pmd->data_sm));
+		return -EILSEQ;
+	}
+	return 0;
+}
+
 static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,
 			tsp_block_t root, struct tsp_thin_lookup_result *result,
 			u32 *time)
@@ -1486,9 +1503,10 @@ static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,
 	int r;
 
 	r = tsp_btree_lookup(&td->pmd->bl_info, root, virt, &value);
+	if (!r)
+		r = __unpack_mapping_for_io(td->pmd, value, &result->block, time);
 	if (r)
 		return r;
-	unpack_mapping(le64_to_cpu(value), &result->block, time);
 	result->shared = td->snapshotted_time > *time;
 	return 0;
 }
@@ -1629,10 +1647,11 @@ int tsp_thin_find_mapped_range(struct tsp_thin_device *td, tsp_block_t begin,
 		r = tsp_btree_lookup_next(&pmd->bl_info, root, begin, &key, &value);
 	if (!r && key >= end)
 		r = -ENODATA;
+	if (!r)
+		r = __unpack_mapping_for_io(pmd, value, pool_begin, &time);
 	if (r)
 		goto out;
 
-	unpack_mapping(le64_to_cpu(value), pool_begin, &time);
 	*thin_begin = key;
 	*maybe_shared = td->snapshotted_time > time;
 	tsp_mc_insert(__cache(pmd), td->id, key, *pool_begin, time);
