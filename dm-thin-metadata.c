@@ -1479,17 +1479,20 @@ static int __set_device_root(struct tsp_thin_device *td, tsp_block_t old,
 }
 
 /*
- * The data block and time of a mapping that IO is to be sent to: a block
- * beyond the data space map is corrupt metadata, never remapped to.
+ * The data block and time of @virt's mapping @value, which IO is to be
+ * sent to: a block beyond the data space map is corrupt metadata, never
+ * remapped to.
  */
-static int __unpack_mapping_for_io(struct tsp_pool_metadata *pmd, __le64 value,
-				   tsp_block_t *data, u32 *time)
+static int __unpack_mapping_for_io(struct tsp_thin_device *td, tsp_block_t virt,
+				   __le64 value, tsp_block_t *data, u32 *time)
 {
+	tsp_block_t nr_blocks = tsp_data_sm_nr_blocks(td->pmd->data_sm);
+
 	unpack_mapping(le64_to_cpu(value), data, time);
-	if (*data >= tsp_data_sm_nr_blocks(pmd->data_sm)) {
-		DMERR("a mapping to data block %llu, of %llu",
-		      (unsigned long long)*data,
-		      (unsigned long long)tsp_data_sm_nr_blocks(pmd->data_sm));
+	if (*data >= nr_blocks) {
+		DMERR_LIMIT("thin device %llu: block %llu maps to data block %llu, of %llu",
+			    (unsigned long long)td->id, (unsigned long long)virt,
+			    (unsigned long long)*data, (unsigned long long)nr_blocks);
 		return -EILSEQ;
 	}
 	return 0;
@@ -1504,7 +1507,7 @@ static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,
 
 	r = tsp_btree_lookup(&td->pmd->bl_info, root, virt, &value);
 	if (!r)
-		r = __unpack_mapping_for_io(td->pmd, value, &result->block, time);
+		r = __unpack_mapping_for_io(td, virt, value, &result->block, time);
 	if (r)
 		return r;
 	result->shared = td->snapshotted_time > *time;
@@ -1648,7 +1651,7 @@ int tsp_thin_find_mapped_range(struct tsp_thin_device *td, tsp_block_t begin,
 	if (!r && key >= end)
 		r = -ENODATA;
 	if (!r)
-		r = __unpack_mapping_for_io(pmd, value, pool_begin, &time);
+		r = __unpack_mapping_for_io(td, key, value, pool_begin, &time);
 	if (r)
 		goto out;
 

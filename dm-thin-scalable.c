@@ -2708,7 +2708,7 @@ static int grow_space(struct pool *pool, const struct pool_space *space,
 	 * keep the pool from resuming.  A commit that failed at the flush
 	 * leaves the new size in the transaction for the next one.
 	 */
-	commit(pool);
+	(void)commit(pool);
 	return 0;
 }
 
