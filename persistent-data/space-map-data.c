@@ -633,6 +633,22 @@ static void count_allocated(struct tsp_data_sm *sm, tsp_block_t b)
 	sm->nr_allocated++;
 }
 
+/*
+ * The root's count of blocks in use, read from disk, must neither pass
+ * the map's size (@allocating) nor go below zero as blocks are counted
+ * in and out: either means it disagrees with the bitmaps.
+ */
+static int check_nr_allocated(struct tsp_data_sm *sm, bool allocating)
+{
+	if (allocating ? sm->nr_allocated < sm->nr_blocks : sm->nr_allocated)
+		return 0;
+	DMERR("data space map root is corrupt: %llu of %llu blocks in use while %s one",
+	      (unsigned long long)sm->nr_allocated,
+	      (unsigned long long)sm->nr_blocks,
+	      allocating ? "allocating" : "freeing");
+	return -EILSEQ;
+}
+
 /* Change @b's count from @old to @count in bitmap, index and overflow. */
 static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 {
@@ -642,6 +658,11 @@ static int set_count(struct tsp_data_sm *sm, tsp_block_t b, u32 old, u32 count)
 	struct tsp_block *blk;
 	int r;
 
+	if (!old != !count) {
+		r = check_nr_allocated(sm, count);
+		if (r)
+			return r;
+	}
 	if (old && !count) {
 		r = mark_freed(sm, i, pos);
 		if (r)
@@ -828,7 +849,9 @@ int tsp_data_sm_new_block(struct tsp_data_sm *sm, tsp_block_t *b)
  *
  * Return: 0; -ENOSPC if no bitmap in the index has an allocatable entry
  * (counts read from disk are not recounted: tsp_data_sm_new_block() does
- * that); or the transaction manager's error (-EWOULDBLOCK in no-wait mode).
+ * that); -EILSEQ if the root counts every block in use while a bitmap
+ * has a free one; or the transaction manager's error (-EWOULDBLOCK in
+ * no-wait mode).
  */
 int tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b)
 {
@@ -837,6 +860,8 @@ int tsp_data_sm_reserve(struct tsp_data_sm *sm, tsp_block_t *b)
 
 	if (sm->run_begin == sm->run_end)
 		r = find_free(sm);
+	if (!r)
+		r = check_nr_allocated(sm, true);
 	if (r)
 		return r;
 	*b = sm->run_begin;

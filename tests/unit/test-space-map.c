@@ -19,7 +19,8 @@
  * allocation failures in create, open and extend fail cleanly; an index
  * entry counting fewer free entries than its bitmap has (as dm-thin
  * growing a pool restored by thin_restore leaves it) neither wraps below
- * zero nor hides free blocks from allocation.
+ * zero nor hides free blocks from allocation; a root whose count of
+ * blocks in use disagrees with the bitmaps is refused, not wrapped.
  *
  * Usage: test-space-map [seed]; the seed (also $TSP_SEED) is printed.
  * Exit status 0 pass, 1 fail.
@@ -775,6 +776,58 @@ static void test_low_nr_free(void)
 	printf("ok   %s\n", phase);
 }
 
+/* Write @nr_allocated into the committed root, and reopen. */
+static void set_nr_allocated(struct ctx *c, tsp_block_t nr_allocated)
+{
+	struct tsp_disk_sm_root *root;
+	struct tsp_block *b;
+
+	close_all(c);
+	c->bm = tsp_bm_create(c->bdev, 16);
+	CHECK(!IS_ERR(c->bm));
+	CHECK_R(tsp_bm_write_lock(c->bm, SB_LOCATION, &sb_validator, &b), 0);
+	root = (void *)((struct test_sb *)tsp_block_data(b))->data_sm_root;
+	root->nr_allocated = cpu_to_le64(nr_allocated);
+	tsp_bm_unlock(b);
+	CHECK_R(tsp_bm_flush(c->bm), 0);
+	close_all(c);
+	CHECK_R(try_open(c), 0);
+}
+
+/*
+ * A root whose count of blocks in use disagrees with the bitmaps is
+ * refused as corrupt when the count would go below zero or past the
+ * map's size, and never wraps.
+ */
+static void test_bad_nr_allocated(void)
+{
+	struct ctx *c = ctx_create(256, 20);
+	tsp_block_t b;
+	u32 k;
+
+	phase = "root's count of blocks in use is wrong";
+	for (k = 0; k < 10; k++)
+		CHECK_R(op_new(c, NULL), 0);
+	commit(c);
+
+	set_nr_allocated(c, 0);
+	CHECK_R(op_inc(c, 3), 0);		/* 1 -> 2 counts nothing in */
+	CHECK_R(op_dec(c, 3), 0);
+	CHECK_R(op_dec(c, 3), -EILSEQ);		/* 1 -> 0 */
+	CHECK(tsp_data_sm_nr_free(c->sm) == 20);
+
+	set_nr_allocated(c, 20);
+	CHECK_R(op_inc(c, 15), -EILSEQ);	/* 0 -> 1 */
+	CHECK_R(tsp_data_sm_new_block(c->sm, &b), -EILSEQ);
+	CHECK(tsp_data_sm_nr_free(c->sm) == 0);
+
+	set_nr_allocated(c, 10);
+	reopen(c);
+	verify(c);
+	ctx_destroy(c);
+	printf("ok   %s\n", phase);
+}
+
 /* Allocation failures in create, open and extend. */
 static void test_alloc_failures(void)
 {
@@ -853,6 +906,7 @@ int main(int argc, char **argv)
 	test_full();
 	test_extend();
 	test_low_nr_free();
+	test_bad_nr_allocated();
 	test_alloc_failures();
 	test_model();
 
