@@ -442,6 +442,10 @@ static int read_superblock(struct tsp_pool_metadata *pmd, u32 data_block_size)
 	} else if (pmd->incompat_flags) {
 		DMERR("metadata has incompatible features 0x%x", pmd->incompat_flags);
 		r = -EINVAL;
+	} else if (pmd->compat_ro_flags && !bdev_read_only(pmd->bdev)) {
+		DMERR("metadata has read-only features 0x%x, on a writable device",
+		      pmd->compat_ro_flags);
+		r = -EINVAL;
 	} else if (le32_to_cpu(sb->metadata_block_size) != TSP_METADATA_BLOCK_SECTORS) {
 		DMERR("metadata block size %u sectors is not supported",
 		      le32_to_cpu(sb->metadata_block_size));

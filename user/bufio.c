@@ -553,6 +553,11 @@ uint64_t tsp_bdev_sectors(struct block_device *bdev)
 	return bdev->size >> 9;
 }
 
+bool bdev_read_only(struct block_device *bdev)
+{
+	return bdev->read_only;
+}
+
 void tsp_bdev_set_volatile(struct block_device *bdev, bool on)
 {
 	pthread_mutex_lock(&bdev->lock);

@@ -35,6 +35,8 @@ struct block_device *tsp_bdev_open(const char *path, bool read_only);
 void tsp_bdev_close(struct block_device *bdev);
 /* Size in 512-byte sectors. */
 uint64_t tsp_bdev_sectors(struct block_device *bdev);
+/* The kernel's bdev_read_only(): whether @bdev was opened read-only. */
+bool bdev_read_only(struct block_device *bdev);
 
 /* Crash simulation, see above. */
 void tsp_bdev_set_volatile(struct block_device *bdev, bool on);

@@ -1548,6 +1548,7 @@ static void test_superblock_fields(void)
 	try_sb_field("metadata_block_size 7", SB_META_BLOCK_SIZE, 4, 7, true, 0);
 	try_sb_field("incompat flag 1", SB_INCOMPAT, 4, 1, true, 0);
 	try_sb_field("incompat flags ~0", SB_INCOMPAT, 4, ~0u, true, 0);
+	try_sb_field("compat_ro flag 1", SB_COMPAT_RO, 4, 1, true, -EINVAL);
 
 	/* A data block size other than the one on disk, asked for by open. */
 	{
@@ -1562,7 +1563,7 @@ static void test_superblock_fields(void)
 		}
 	}
 	report(f0, "corrupt: superblock magic, checksum, location, version, block "
-	       "sizes, incompat flags (%lu cases)", nr_cases - c0);
+	       "sizes, incompat and compat_ro flags (%lu cases)", nr_cases - c0);
 }
 
 static void try_file(const char *what, const void *img, size_t len,
