@@ -3047,6 +3047,7 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 	u64 trans_id;
 	unsigned int sz = 0;
 	char buf[BDEVNAME_SIZE], buf2[BDEVNAME_SIZE];
+	int r;
 
 	switch (type) {
 	case STATUSTYPE_INFO:
@@ -3057,11 +3058,14 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 		if (!(status_flags & STATUS_NOFLUSH_FLAG) && !dm_suspended(ti))
 			(void)commit(pool);
 
-		if (tsp_pool_get_metadata_transaction_id(pool->pmd, &trans_id) ||
-		    get_metadata_space(pool, &nr_meta, &free_meta) ||
-		    tsp_pool_get_free_block_count(pool->pmd, &free_data) ||
-		    tsp_pool_get_data_block_count(pool->pmd, &nr_data) ||
-		    tsp_pool_get_metadata_snap(pool->pmd, &held)) {
+		r = tsp_pool_get_metadata_transaction_id(pool->pmd, &trans_id) ?:
+		    get_metadata_space(pool, &nr_meta, &free_meta) ?:
+		    tsp_pool_get_free_block_count(pool->pmd, &free_data) ?:
+		    tsp_pool_get_data_block_count(pool->pmd, &nr_data) ?:
+		    tsp_pool_get_metadata_snap(pool->pmd, &held);
+		if (r) {
+			DMERR_LIMIT("%s: reading the pool's status from its metadata failed: %d",
+				    dm_device_name(pool->pool_md), r);
 			DMEMIT("Error");
 			break;
 		}
@@ -3587,13 +3591,11 @@ static void thin_status(struct dm_target *ti, status_type_t type,
 
 	switch (type) {
 	case STATUSTYPE_INFO:
-		r = tsp_thin_get_mapped_count(tc->td, &mapped);
-		if (r) {
-			DMEMIT("Error");
-			break;
-		}
-		r = tsp_thin_get_highest_mapped_block(tc->td, &highest);
+		r = tsp_thin_get_mapped_count(tc->td, &mapped) ?:
+		    tsp_thin_get_highest_mapped_block(tc->td, &highest);
 		if (r && r != -ENODATA) {
+			DMERR_LIMIT("%s: reading the thin device's status failed: %d",
+				    dm_device_name(dm_table_get_md(ti->table)), r);
 			DMEMIT("Error");
 			break;
 		}
