@@ -2620,8 +2620,9 @@ static int pool_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 	ti->limit_swap_bios = true;
 	/*
 	 * Discards sent to the pool device itself go to the data device, if
-	 * passed down at all.  discards_supported keeps dm core from stacking
-	 * the data device's discard limits over the pool's (as dm-thin).
+	 * passed down at all.  discards_supported has dm core take them
+	 * without asking the data device (as dm-thin); their limits are the
+	 * data device's (pool_io_hints()).
 	 */
 	if (pf.discard_enabled && pf.discard_passdown) {
 		ti->num_discard_bios = 1;
@@ -3118,18 +3119,6 @@ static void pool_status(struct dm_target *ti, status_type_t type,
 	}
 }
 
-/*
- * Discards are unmapped by the pool whatever the data device supports.
- * 6.1 reads max_discard_sectors; later kernels derive it from the
- * hardware limit.
- */
-static void set_discard_limits(struct pool *pool, struct queue_limits *limits)
-{
-	limits->discard_granularity = pool->sectors_per_block << SECTOR_SHIFT;
-	limits->max_hw_discard_sectors = pool->sectors_per_block * 1024;
-	limits->max_discard_sectors = limits->max_hw_discard_sectors;
-}
-
 static int pool_iterate_devices(struct dm_target *ti,
 				iterate_devices_callout_fn fn, void *data)
 {
@@ -3141,6 +3130,19 @@ static int pool_iterate_devices(struct dm_target *ti,
 static bool is_factor(sector_t n, u32 divisor)
 {
 	return !sector_div(n, divisor);
+}
+
+/*
+ * Kernels before 6.11 round io_min up to the physical block size when it
+ * is set; later ones when the stacked limits are validated.
+ */
+static void set_io_min(struct queue_limits *limits, unsigned int bytes)
+{
+#if LINUX_VERSION_CODE < KERNEL_VERSION(6, 11, 0)
+	blk_limits_io_min(limits, bytes);
+#else
+	limits->io_min = bytes;
+#endif
 }
 
 /*
@@ -3169,14 +3171,21 @@ static void pool_io_hints(struct dm_target *ti, struct queue_limits *limits)
 	if (io_opt_sectors < block_sectors ||
 	    !is_factor(io_opt_sectors, block_sectors)) {
 		if (is_factor(block_sectors, limits->max_sectors))
-			limits->io_min = limits->max_sectors << SECTOR_SHIFT;
+			set_io_min(limits, limits->max_sectors << SECTOR_SHIFT);
 		else
-			limits->io_min = block_sectors << SECTOR_SHIFT;
+			set_io_min(limits, block_sectors << SECTOR_SHIFT);
 		limits->io_opt = block_sectors << SECTOR_SHIFT;
 	}
 
-	if (pt->adjusted_pf.discard_enabled)
-		set_discard_limits(pool, limits);
+	/*
+	 * A pool passing discards down keeps the data device's discard
+	 * limits, which dm core stacked; one that does not pass them down
+	 * has none (dm core sees no discard bios).  Only a pool that
+	 * ignores discards must stop the data device's granularity from
+	 * being stacked over it, as dm-thin.
+	 */
+	if (!pt->adjusted_pf.discard_enabled)
+		limits->discard_granularity = 0;
 }
 
 static struct target_type pool_target = {
@@ -3643,8 +3652,16 @@ static void thin_io_hints(struct dm_target *ti, struct queue_limits *limits)
 	struct thin_c *tc = ti->private;
 	struct pool *pool = tc->pool;
 
-	if (pool->pf.discard_enabled)
-		set_discard_limits(pool, limits);
+	/*
+	 * Discards are unmapped by the pool whatever the data device
+	 * supports.  6.1 reads max_discard_sectors; later kernels derive it
+	 * from the hardware limit.
+	 */
+	if (pool->pf.discard_enabled) {
+		limits->discard_granularity = pool->sectors_per_block << SECTOR_SHIFT;
+		limits->max_hw_discard_sectors = pool->sectors_per_block * 1024;
+		limits->max_discard_sectors = limits->max_hw_discard_sectors;
+	}
 }
 
 static struct target_type thin_target = {

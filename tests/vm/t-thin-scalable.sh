@@ -355,6 +355,11 @@ test_ignore_discard() {
 	dm_create tss-pool "$table 0"
 	dm_create tss-thin0 "0 131072 $THIN_T /dev/mapper/tss-pool 0"
 	[ "$(queue_limit $t discard_max_bytes)" -gt 0 ] || fail "thin device without discards"
+	# A pool passing discards down has its data device's discard limits
+	# (none, if the data device takes no discards).
+	assert_eq "$(queue_limit /dev/mapper/tss-data discard_max_bytes)" \
+		"$(queue_limit /dev/mapper/tss-pool discard_max_bytes)" \
+		"pool discard_max_bytes passing discards down"
 	expect_fail dmsetup reload tss-pool --table "$table 1 ignore_discard"
 	assert_eq "$(file_sha a)" "$(dev_sha $t 0 1)" "data written before"
 	blkdiscard -o 0 -l 1M $t
@@ -380,6 +385,8 @@ test_discard_isolation() {
 	trap "echo $old_timeout >$NO_SPACE_TIMEOUT" EXIT
 	echo 10 >"$NO_SPACE_TIMEOUT"
 	make_pool 16 1 no_discard_passdown
+	assert_eq 0 "$(queue_limit /dev/mapper/tss-pool discard_max_bytes)" \
+		"pool discard_max_bytes with no_discard_passdown"
 	dm_message tss-pool "create_thin 0"
 	dm_message tss-pool "create_thin 1"
 	dm_create tss-a "0 65536 $THIN_T /dev/mapper/tss-pool 0"
