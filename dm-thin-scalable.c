@@ -1131,6 +1131,24 @@ static blk_status_t aborted_changes_status(struct thin_c *tc)
 }
 
 /*
+ * Send on @bio, remapped already or an empty flush for the data device,
+ * whose device's changes are committed, unless the commit failed
+ * (@status) or an abort dropped some of them.
+ */
+static void issue_committed(struct pool *pool, struct bio *bio,
+			    blk_status_t status)
+{
+	bio->bi_status = status ?: aborted_changes_status(thin_bio(bio)->tc);
+	if (bio->bi_status) {
+		bio_endio(bio);
+		return;
+	}
+	if (!bio_has_data(bio))
+		bio_set_dev(bio, pool->data_dev.bdev);
+	submit_counted(pool, bio);
+}
+
+/*
  * Worker: commit if any of its bios waits for it (or commit_requested),
  * then release them.  A commit covers every worker's changes: one made
  * by another worker since finds nothing left to commit.
@@ -1161,17 +1179,8 @@ static blk_status_t process_commit(struct worker *w)
 		bio->bi_status = status ?: aborted_changes_status(thin_bio(bio)->tc);
 		bio_endio(bio);
 	}
-	while ((bio = bio_list_pop(&issue))) {
-		bio->bi_status = status ?: aborted_changes_status(thin_bio(bio)->tc);
-		if (bio->bi_status) {
-			bio_endio(bio);
-		} else {
-			/* Remapped already, or an empty flush for the data device. */
-			if (!bio_has_data(bio))
-				bio_set_dev(bio, pool->data_dev.bdev);
-			submit_counted(pool, bio);
-		}
-	}
+	while ((bio = bio_list_pop(&issue)))
+		issue_committed(pool, bio, status);
 	return status;
 }
 
@@ -2005,10 +2014,18 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 		return;
 	}
 
+	/*
+	 * A flush needs a commit only if its device changed in this
+	 * transaction (as dm-thin): the data device's flush makes the
+	 * rest durable.
+	 */
 	if (!bio_has_data(bio)) {
-		/* An empty flush: after the commit, on to the data device. */
-		w->commit_requested = true;
-		bio_list_add(&w->issue_after_commit, bio);
+		if (tsp_thin_changed_this_transaction(tc->td)) {
+			w->commit_requested = true;
+			bio_list_add(&w->issue_after_commit, bio);
+		} else {
+			issue_committed(pool, bio, BLK_STS_OK);
+		}
 		return;
 	}
 
@@ -2069,7 +2086,7 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 	if (bio_needs_commit(bio)) {
 		blk_status_t status = BLK_STS_OK;
 
-		if (tsp_pool_changed_this_transaction(pool->pmd)) {
+		if (tsp_thin_changed_this_transaction(tc->td)) {
 			if (bio_data_dir(bio) == WRITE) {
 				remap(pool, bio, result.block);
 				bio_list_add(&w->issue_after_commit, bio);
