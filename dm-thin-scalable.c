@@ -306,6 +306,12 @@ struct pool {
 	struct tsp_pool_metadata *pmd;
 	struct dm_kcopyd_client *copier;
 	struct bio_set zero_bios;		/* filling new blocks */
+	/*
+	 * The data device refused a WRITE ZEROES as one it cannot do (it
+	 * may offer them and then refuse them): new blocks are zeroed by
+	 * writing from then on.
+	 */
+	atomic_t write_zeroes_failed;
 	struct workqueue_struct *wq;
 	struct workqueue_struct *completion_wq;	/* per CPU, high priority */
 	struct cpu_completions __percpu *completions;
@@ -474,6 +480,9 @@ struct passdown {
 	tsp_block_t begin, end;
 };
 
+/* Zeroing around a bio takes two ranges of its block, the rest one. */
+#define JOB_ZEROED_RANGES 2
+
 struct job {
 	struct hlist_node hash;
 	struct list_head list;		/* its worker's completed_jobs */
@@ -485,6 +494,13 @@ struct job {
 	struct bio_list waiting;	/* later bios for the same block */
 	atomic_t pending;		/* IOs filling the block */
 	int err;			/* of the first IO that failed */
+	/* The ranges zero_range() zeroed, to write if WRITE ZEROES failed. */
+	struct zeroed_range {
+		sector_t sector;
+		sector_t nr;
+	} zeroed[JOB_ZEROED_RANGES];
+	unsigned int nr_zeroed;
+	bool write_zeroes_failed;	/* one of its WRITE ZEROES did */
 };
 
 static DEFINE_MUTEX(pool_table_mutex);
@@ -1281,14 +1297,38 @@ static void start_overwrite(struct pool *pool, struct job *job)
 	issue_remapped(pool, bio, job->mapping.data);
 }
 
-/* A write of zeroes into @job's new block, maybe with its bio's data, is done. */
+/*
+ * A write of zeroes into @job's new block, maybe with its bio's data, is
+ * done.  A failed WRITE ZEROES is not the job's error: its worker writes
+ * the zeroes instead (rezero_jobs()), as blkdev_issue_zeroout() does.
+ * One that says the device cannot do it (not supported, or refused as an
+ * invalid request, which a SCSI disk with no WRITE SAME gives) makes the
+ * pool write its zeroes from then on.
+ */
 static void fill_endio(struct bio *bio)
 {
 	struct job *job = bio->bi_private;
-	int err = blk_status_to_errno(bio->bi_status);
+	struct pool *pool = job->tc->pool;
+	blk_status_t status = bio->bi_status;
+	int err = blk_status_to_errno(status);
 
+	if (err && bio_op(bio) == REQ_OP_WRITE_ZEROES) {
+		if ((status == BLK_STS_NOTSUPP || status == BLK_STS_TARGET) &&
+		    !atomic_xchg(&pool->write_zeroes_failed, 1))
+			DMWARN("%s: data device's WRITE ZEROES failed (%d): writing zeroes instead",
+			       dm_device_name(pool->pool_md), err);
+		WRITE_ONCE(job->write_zeroes_failed, true);
+		err = 0;
+	}
 	bio_put(bio);
 	job_io_done(job, err);
+}
+
+/* Whether to zero with REQ_OP_WRITE_ZEROES: see pool->write_zeroes_failed. */
+static bool zeroing_offloaded(struct pool *pool)
+{
+	return bdev_write_zeroes_sectors(pool->data_dev.bdev) &&
+	       !atomic_read(&pool->write_zeroes_failed);
 }
 
 /* Vectors of @zeroes that @nr sectors of zeroes take. */
@@ -1318,18 +1358,23 @@ static void submit_fill(struct job *job, struct bio *bio)
 
 /*
  * Zero @nr sectors of the data device from @sector, as IOs of @job: with
- * REQ_OP_WRITE_ZEROES where the device offers it (an NVMe drive zeroes a
- * range without the data crossing the bus; it may deallocate it), else
- * by writing @zeroes (dm-thin always writes zeroes).  Worker only; may
- * sleep for a bio.
+ * REQ_OP_WRITE_ZEROES if @offload (zeroing_offloaded(): an NVMe drive
+ * zeroes a range without the data crossing the bus; it may deallocate
+ * it), else by writing @zeroes (dm-thin always writes zeroes).  The
+ * ranges offloaded, at most JOB_ZEROED_RANGES per job, are kept for
+ * rezero_jobs().  Worker only; may sleep for a bio.
  */
 static void zero_range(struct pool *pool, struct job *job, sector_t sector,
-		       sector_t nr)
+		       sector_t nr, bool offload)
 {
-	bool offload = bdev_write_zeroes_sectors(pool->data_dev.bdev);
 	struct bio *bio;
 	sector_t len;
 
+	if (nr && offload) {
+		job->zeroed[job->nr_zeroed].sector = sector;
+		job->zeroed[job->nr_zeroed].nr = nr;
+		job->nr_zeroed++;
+	}
 	for (; nr; sector += len, nr -= len) {
 		if (offload) {
 			/* The block layer splits it to the device's limit. */
@@ -1402,13 +1447,14 @@ static void zero_around(struct pool *pool, struct job *job)
 	sector_t start = job->mapping.data * pool->sectors_per_block;
 	sector_t begin = block_offset(pool, job->bio->bi_iter.bi_sector);
 	sector_t end = begin + bio_sectors(job->bio);
+	bool offload = zeroing_offloaded(pool);
 
-	if (!bdev_write_zeroes_sectors(pool->data_dev.bdev) &&
-	    write_with_zeroes(pool, job, begin))
+	if (!offload && write_with_zeroes(pool, job, begin))
 		return;
 	/* Before the bio: job->pending counts it already, so the job waits. */
-	zero_range(pool, job, start, begin);
-	zero_range(pool, job, start + end, pool->sectors_per_block - end);
+	zero_range(pool, job, start, begin, offload);
+	zero_range(pool, job, start + end, pool->sectors_per_block - end,
+		   offload);
 	start_overwrite(pool, job);
 }
 
@@ -1440,7 +1486,7 @@ static void copy_from_origin(struct thin_c *tc, struct job *job)
 			   tc->origin_size - from.sector);
 	if (pool->pf.zero_new_blocks)
 		zero_range(pool, job, to.sector + from.count,
-			   to.count - from.count);
+			   to.count - from.count, zeroing_offloaded(pool));
 	to.count = from.count;
 	dm_kcopyd_copy(pool->copier, &from, 1, &to, 0, kcopyd_done, job);
 }
@@ -1564,6 +1610,34 @@ static int release_failed_blocks(struct pool *pool, struct list_head *jobs)
 }
 
 /*
+ * Take the jobs of @jobs one of whose WRITE ZEROES failed (fill_endio())
+ * off it, and zero their offloaded ranges again, by writing zeroes: they
+ * come back when that is done.  Worker only.
+ */
+static void rezero_jobs(struct pool *pool, struct list_head *jobs)
+{
+	struct zeroed_range ranges[JOB_ZEROED_RANGES];
+	struct job *job, *tmp;
+	unsigned int i, nr;
+
+	list_for_each_entry_safe(job, tmp, jobs, list) {
+		if (!job->write_zeroes_failed || job->err)
+			continue;
+		list_del(&job->list);
+		job->write_zeroes_failed = false;
+		nr = job->nr_zeroed;
+		memcpy(ranges, job->zeroed, sizeof(ranges));
+		job->nr_zeroed = 0;
+		/* Held until all are issued, as a job's first IO does. */
+		atomic_set(&job->pending, 1);
+		for (i = 0; i < nr; i++)
+			zero_range(pool, job, ranges[i].sector, ranges[i].nr,
+				   false);
+		job_io_done(job, 0);
+	}
+}
+
+/*
  * Worker: map the blocks of every job whose IO finished, and give back
  * those of the jobs whose IO failed, before any is reported done (a
  * failure aborts the transaction: none of the batch is then mapped); then
@@ -1585,6 +1659,7 @@ static void process_completed_jobs(struct worker *w)
 	spin_lock_irq(&w->lock);
 	list_splice_init(&w->completed_jobs, &jobs);
 	spin_unlock_irq(&w->lock);
+	rezero_jobs(pool, &jobs);
 	if (list_empty(&jobs))
 		return;
 

@@ -511,6 +511,50 @@ test_zeroing_offload() {
 	umount wz
 }
 
+# A data device that offers WRITE ZEROES and refuses it: a loop device
+# over a file of a FAT file system, which cannot punch holes (loop turns
+# WRITE ZEROES into one).  First writes still succeed, zeroed by writing
+# (as blkdev_issue_zeroout() falls back), and the pool says so once.
+test_zeroing_offload_refused() {
+	local t=/dev/mapper/tss-t loop
+	need_targets
+	ours || skip "stock dm-thin writes its zeroes"
+	command -v mkfs.vfat >/dev/null || skip "no mkfs.vfat"
+	modprobe loop && modprobe vfat || skip "no loop or vfat module"
+	mkdir wz fat
+	mount -t tmpfs -o size=80m none wz
+	truncate -s 72M wz/fat.img
+	mkfs.vfat wz/fat.img >/dev/null
+	mount -t vfat -o loop wz/fat.img fat
+	perl -e 'print "\xff" x 1048576 for 1 .. 64' >fat/data
+	if fallocate -p -o 0 -l 4096 fat/data 2>/dev/null; then
+		umount fat
+		umount wz
+		skip "the file system punches holes"
+	fi
+	loop=$(losetup -f --show fat/data)
+	[ "$(cat "/sys/block/${loop#/dev/}/queue/write_zeroes_max_bytes")" -gt 0 ] ||
+		fail "the loop device offers no WRITE ZEROES"
+	brd_setup 1 64
+	dd if=/dev/zero of=/dev/ram0 bs=4096 count=1 oflag=direct status=none
+	dm_create tss-pool "0 131072 $POOL_T /dev/ram0 $loop 128 $LOW_WATER 0"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-t "0 131072 $THIN_T /dev/mapper/tss-pool 0"
+	run_fio holes --filename=$t --rw=write:60k --bs=4k --offset=8k --size=8M \
+		--verify=crc32c --verify_fatal=1 --do_verify=1
+	dd if=$t of=t.img bs=1M count=8 iflag=direct status=none
+	check_zeroed_around t.img 128 8192 || fail "new blocks not zeroed"
+	assert_eq 128 "$(pool_used tss-pool)" "blocks after 128 first writes"
+	assert_eq 1 "$(dmesg_since_test | grep -c "WRITE ZEROES failed.*writing zeroes instead")" \
+		"warnings of the refused WRITE ZEROES"
+	dm_remove tss-t
+	dm_remove tss-pool
+	check_meta /dev/ram0
+	losetup -d "$loop"
+	umount fat
+	umount wz
+}
+
 # zeroing_around <block sectors> <blocks written whole>: first writes to
 # parts of new blocks read back with zeroes around their data.  A block
 # that fits in one bio with the data is written whole in one bio, a
@@ -1600,6 +1644,7 @@ run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_discard_passdown test_discard_passdown
 run_test thin_scalable_passdown_failed_commit test_passdown_failed_commit
 run_test thin_scalable_zeroing_offload test_zeroing_offload
+run_test thin_scalable_zeroing_offload_refused test_zeroing_offload_refused
 run_test thin_scalable_zeroing_around test_zeroing_around
 run_test thin_scalable_zeroing_big_blocks test_zeroing_big_blocks
 run_test thin_scalable_zeroing_huge_blocks test_zeroing_huge_blocks
