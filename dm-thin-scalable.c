@@ -93,11 +93,11 @@
  *   worker->pass_lock  (mutex) held by each pass of its work item, and
  *                      taken with a trylock by provision_in_map(), which
  *                      looks at its job table
- *   worker-private     the worker's job table, flush_waiters and
- *                      issue_after_commit: only its work item touches
- *                      them (the job table also provision_in_map(),
- *                      under pass_lock), and a work item never runs
- *                      twice at once
+ *   worker-private     the worker's job table, flush_waiters,
+ *                      issue_after_commit and no_job: only its work
+ *                      item touches them (the job table also
+ *                      provision_in_map(), under pass_lock), and a
+ *                      work item never runs twice at once
  *   worker->deferred   llist: pushed by anyone, emptied by the worker
  *   cpu_completions    per CPU llists: pushed by workers, emptied by the
  *                      CPU's work item
@@ -117,6 +117,7 @@
 #include <linux/rcupdate.h>
 #include <linux/percpu.h>
 #include <linux/slab.h>
+#include <linux/mempool.h>
 #include <linux/sched.h>
 #include <linux/delay.h>
 #include <linux/refcount.h>
@@ -196,6 +197,7 @@ static void bdev_ref_put(struct bdev_ref *ref)
 
 #define COMMIT_PERIOD HZ
 #define JOB_HASH_BITS 8
+#define JOB_RESERVE 64		/* jobs per worker when memory is short */
 /*
  * Virtual blocks of a thin device are dealt to workers in regions of
  * this many: a region's bios and jobs all belong to one worker.
@@ -398,6 +400,14 @@ struct worker {
 
 	/* Private to the work item. */
 	struct hlist_head jobs[1 << JOB_HASH_BITS];
+	/*
+	 * Jobs come from here without waiting, and the bios that find none
+	 * wait in @no_job for the next pass: only this worker's jobs empty
+	 * its reserve, and the end of each of them runs a pass (as dm-thin
+	 * retries a bio that found its mapping pool empty).
+	 */
+	mempool_t job_reserve;
+	struct bio_list no_job;
 	struct bio_list flush_waiters;		/* complete after commit */
 	struct bio_list issue_after_commit;	/* issue after commit */
 	bool commit_requested;
@@ -1585,7 +1595,7 @@ static void finish_job(struct worker *w, struct job *job, bool hand_over)
 
 	while ((bio = bio_list_pop(&job->waiting)))
 		defer_bio(pool, bio);
-	kmem_cache_free(job_cache, job);
+	mempool_free(job, &w->job_reserve);
 }
 
 /*
@@ -1902,14 +1912,18 @@ static void provision(struct worker *w, struct thin_c *tc, struct bio *bio,
 	struct dm_io_region to, from;
 	struct job *job;
 
-	/* Allocated before the block, so a failure leaks nothing. */
-	job = kmem_cache_zalloc(job_cache, GFP_NOIO);
+	/*
+	 * Allocated before the block, so a failure leaks nothing.  Not
+	 * waiting for memory, which may need this worker's writes to free.
+	 */
+	job = mempool_alloc(&w->job_reserve, GFP_NOWAIT);
 	if (!job) {
-		bio_io_error(bio);
+		bio_list_add(&w->no_job, bio);
 		return;
 	}
+	memset(job, 0, sizeof(*job));
 	if (alloc_block(pool, bio, &job->mapping.data)) {
-		kmem_cache_free(job_cache, job);
+		mempool_free(job, &w->job_reserve);
 		return;
 	}
 	add_job(w, job, tc, virt, bio);
@@ -2187,6 +2201,17 @@ static void process_bio(struct worker *w, struct thin_c *tc, struct bio *bio,
 	issue_remapped(pool, bio, result.block);
 }
 
+/* Bios that found no job (provision()) try again, in their order. */
+static void process_no_job_bios(struct worker *w)
+{
+	struct bio_list bios = w->no_job;
+	struct bio *bio;
+
+	bio_list_init(&w->no_job);
+	while ((bio = bio_list_pop(&bios)))
+		process_bio(w, thin_bio(bio)->tc, bio, false);
+}
+
 static void process_deferred_bios(struct worker *w)
 {
 	unsigned int min_batch = READ_ONCE(handover_min_batch), nr = 0;
@@ -2224,9 +2249,14 @@ static void do_worker(struct work_struct *ws)
 	mutex_lock(&w->pass_lock);
 	WRITE_ONCE(w->passes, w->passes + 1);
 	process_completed_jobs(w);
+	process_no_job_bios(w);
 	process_deferred_bios(w);
-	/* Jobs whose IO already completed finish in this pass. */
+	/*
+	 * Jobs whose IO already completed finish in this pass, and give
+	 * theirs to bios that found none.
+	 */
 	process_completed_jobs(w);
+	process_no_job_bios(w);
 	process_commit(w);
 	mutex_unlock(&w->pass_lock);
 	WRITE_ONCE(w->running, false);
@@ -2319,8 +2349,10 @@ static void pool_destroy(struct pool *pool)
 	bioset_exit(&pool->zero_bios);
 	free_passdowns(pool);	/* of a transaction never committed */
 	if (pool->workers) {
-		for (i = 0; i < pool->nr_workers; i++)
+		for (i = 0; i < pool->nr_workers; i++) {
 			free_cpumask_var(pool->workers[i].completions_to_kick);
+			mempool_exit(&pool->workers[i].job_reserve);
+		}
 	}
 	kfree(pool->workers);
 	free_percpu(pool->epoch);
@@ -2340,6 +2372,7 @@ static void init_worker(struct worker *w, struct pool *pool)
 	mutex_init(&w->pass_lock);
 	bio_list_init(&w->flush_waiters);
 	bio_list_init(&w->issue_after_commit);
+	bio_list_init(&w->no_job);
 }
 
 static struct pool *pool_create(struct mapped_device *pool_md,
@@ -2423,7 +2456,9 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	for (i = 0; i < pool->nr_workers; i++) {
 		init_worker(&pool->workers[i], pool);
 		if (!zalloc_cpumask_var(&pool->workers[i].completions_to_kick,
-					GFP_KERNEL)) {
+					GFP_KERNEL) ||
+		    mempool_init_slab_pool(&pool->workers[i].job_reserve,
+					   JOB_RESERVE, job_cache)) {
 			*error = "Error allocating the pool's workers";
 			goto bad;
 		}
