@@ -719,11 +719,11 @@ int tsp_pool_commit_metadata(struct tsp_pool_metadata *pmd)
  * @pmd: pool metadata
  *
  * As tsp_pool_commit_metadata(), but the data blocks this transaction
- * freed are not handed out again until tsp_pool_release_held_blocks(),
- * in this transaction or a later one: the pool discards them on the data
- * device in between, once the commit has made them free for good (no
- * abort maps them again) and before any can hold new data.  An abort
- * releases them.
+ * freed are not handed out again until the second
+ * tsp_pool_release_held_blocks() from now, in this transaction or a later
+ * one: the pool discards them on the data device in between, once the
+ * commit has made them free for good (no abort maps them again) and
+ * before any can hold new data.  An abort releases them.
  *
  * Context: may sleep (takes @root_lock for writing).
  *
@@ -736,8 +736,15 @@ int tsp_pool_commit_metadata_hold_freed(struct tsp_pool_metadata *pmd)
 }
 
 /**
- * tsp_pool_release_held_blocks - end tsp_pool_commit_metadata_hold_freed()
+ * tsp_pool_release_held_blocks - release the older held blocks
  * @pmd: pool metadata
+ *
+ * The blocks tsp_pool_commit_metadata_hold_freed() holds come in two
+ * generations: those it held since the last release (the newer), and
+ * those it held before (the older).  The older are handed out again, and
+ * the newer become the older: so the pool releases the blocks of a batch
+ * of discards when they are done, while those held for the next batch
+ * stay held.
  *
  * Context: may sleep (takes @root_lock for writing).
  */
@@ -2164,6 +2171,35 @@ int tsp_pool_get_waiting_block_count(struct tsp_pool_metadata *pmd,
 	down_read(&pmd->root_lock);
 	*result = tsp_data_sm_nr_waiting(pmd->data_sm);
 	up_read(&pmd->root_lock);
+	return 0;
+}
+
+/**
+ * tsp_pool_get_allocatable_block_count - free blocks allocation may have
+ * @pmd: pool metadata
+ * @freed_held: the blocks freed in this transaction will be held at its
+ *	commit (tsp_pool_commit_metadata_hold_freed()): do not count them
+ * @result: out: the free blocks less those held past their commit for a
+ *	discard's passdown; those freed in this transaction count unless
+ *	@freed_held, as they will be allocatable after its commit.
+ *
+ * Context: may sleep (takes @root_lock for reading).  Walks the held
+ * blocks: not for the IO path.
+ *
+ * Return: 0.
+ */
+int tsp_pool_get_allocatable_block_count(struct tsp_pool_metadata *pmd,
+					 bool freed_held, tsp_block_t *result)
+{
+	tsp_block_t nr_free, nr_held;
+
+	down_read(&pmd->root_lock);
+	nr_free = tsp_data_sm_nr_free(pmd->data_sm);
+	nr_held = freed_held ? tsp_data_sm_nr_waiting(pmd->data_sm) :
+			       tsp_data_sm_nr_held(pmd->data_sm);
+	up_read(&pmd->root_lock);
+	/* Not below zero on a corrupt count of blocks in use. */
+	*result = nr_free > nr_held ? nr_free - nr_held : 0;
 	return 0;
 }
 

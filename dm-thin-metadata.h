@@ -287,6 +287,10 @@ int __must_check tsp_pool_get_free_block_count(struct tsp_pool_metadata *pmd,
 					       tsp_block_t *result);
 int __must_check tsp_pool_get_waiting_block_count(struct tsp_pool_metadata *pmd,
 						  tsp_block_t *result);
+/* Free blocks less those held for a passdown: see dm-thin-metadata.c. */
+int __must_check tsp_pool_get_allocatable_block_count(struct tsp_pool_metadata *pmd,
+						      bool freed_held,
+						      tsp_block_t *result);
 int __must_check tsp_pool_get_data_block_refcount(struct tsp_pool_metadata *pmd,
 						  tsp_block_t b, u32 *result);
 int __must_check tsp_pool_get_metadata_dev_size(struct tsp_pool_metadata *pmd,

@@ -59,7 +59,8 @@
  * block can be reused.  Blocks that discards freed are discarded on the
  * data device (passed down) once the metadata commit has succeeded, so
  * that no abort maps them again, while the metadata holds them back from
- * allocation (issue_passdowns()).
+ * allocation until the discards are done; the commit does not wait for
+ * them (queue_committed_passdowns()).
  *
  * Durability: before a commit the data device is flushed.  A FLUSH or FUA
  * bio that depends on uncommitted mappings is issued (or completed) only
@@ -78,7 +79,8 @@
  *                      (discards, batches of new mappings), so that
  *                      none lands between a commit's data device flush
  *                      and its metadata commit; freed_this_transaction,
- *                      passdowns; metadata_low_water_triggered.  Not
+ *                      passdowns, passdowns_next, passdown_in_flight;
+ *                      metadata_low_water_triggered.  Not
  *                      provision_in_map() or map_before_write(): their
  *                      bio is issued after the mapping exists, so no
  *                      completed write depends on a mapping a commit
@@ -208,9 +210,13 @@ static void bdev_ref_put(struct bdev_ref *ref)
 /*
  * Runs of freed blocks waiting to be passed down, at most: more, and the
  * discard that freed them commits, which passes them down
- * (process_discard()).
+ * (process_discard()).  Committed runs waiting for the batch in flight,
+ * at most MAX_PASSDOWNS_NEXT: past it, the new ones are not passed down
+ * (a discard is a hint to the device), so that a device slow to discard
+ * does not pile them up without end.
  */
 #define MAX_PASSDOWNS 1024
+#define MAX_PASSDOWNS_NEXT (16 * MAX_PASSDOWNS)
 /* dm-thin's metadata low water mark: 4 MiB of metadata, or a quarter. */
 #define METADATA_LOW_WATER_BLOCKS 1024ULL
 /*
@@ -365,6 +371,20 @@ struct pool {
 	struct list_head passdowns;
 	unsigned int nr_passdowns;
 	int passdowns_aborts;			/* pool->aborts at the first */
+	/*
+	 * Runs whose transaction is committed, waiting for the batch of
+	 * passdowns in flight to be done: one batch is in flight at a time
+	 * (see tsp_pool_release_held_blocks()).  Under commit_lock, and
+	 * passdown_in_flight read by wait_for_passdowns().
+	 */
+	struct list_head passdowns_next;
+	unsigned int nr_passdowns_next;
+	bool passdown_in_flight;
+	/*
+	 * Goes up whenever blocks may have become allocatable: at each
+	 * commit, and when a batch of passdowns releases its blocks.
+	 */
+	atomic64_t space_gen;
 	/* Serialises mode changes (pf.mode is also read locklessly). */
 	struct mutex mode_lock;
 
@@ -488,6 +508,12 @@ struct thin_bio {
 struct passdown {
 	struct list_head list;
 	tsp_block_t begin, end;
+};
+
+/* The discards of one batch of passdowns, in flight. */
+struct passdown_batch {
+	struct work_struct work;	/* passdown_done(), on pool->wq */
+	struct pool *pool;
 };
 
 /* Zeroing around a bio takes two ranges of its block, the rest one. */
@@ -862,8 +888,10 @@ static void metadata_failed(struct pool *pool, const char *op, int r)
 	/*
 	 * Counted before and after the abort, so that the count read after
 	 * it differs from one read at any time before it ends: the discards
-	 * queued for passdown then (issue_passdowns) may be of blocks the
-	 * rollback maps again.  A second failure that lost the race to
+	 * queued for passdown then (queue_committed_passdowns()) may be of
+	 * blocks the rollback maps again.  An abort leaves the pool read-only
+	 * for as long as it lives, so the blocks the abort's reopened space
+	 * map no longer holds for a passdown in flight are not allocated.  A second failure that lost the race to
 	 * another thread's abort finds nothing left to do in
 	 * tsp_pool_metadata_fail().
 	 */
@@ -977,7 +1005,9 @@ static void requeue_retry_list(struct pool *pool);
  * Out of data space, but blocks are free: back to write mode, and retry
  * the queued bios.  Caller holds commit_lock.  Blocks freed in this
  * transaction are handed out only after it commits; alloc_block()
- * commits when it finds none.
+ * commits when it finds none, unless the commit will hold them for a
+ * passdown.  Those held for a passdown do not count: passdown_done()
+ * looks again when it releases them.
  */
 static void check_data_space(struct pool *pool)
 {
@@ -985,7 +1015,10 @@ static void check_data_space(struct pool *pool)
 
 	lockdep_assert_held(&pool->commit_lock);
 	if (pool_mode(pool) != PM_OUT_OF_DATA_SPACE ||
-	    tsp_pool_get_free_block_count(pool->pmd, &nr_free) || !nr_free)
+	    tsp_pool_get_allocatable_block_count(pool->pmd,
+						 !list_empty(&pool->passdowns),
+						 &nr_free) ||
+	    !nr_free)
 		return;
 	if (switch_pool_mode(pool, PM_OUT_OF_DATA_SPACE, PM_WRITE) == PM_WRITE)
 		requeue_retry_list(pool);
@@ -1021,51 +1054,143 @@ static void defer_passdown(struct pool *pool, tsp_block_t b)
 	pool->nr_passdowns++;
 }
 
-static void free_passdowns(struct pool *pool)
+static void free_runs(struct list_head *runs)
 {
 	struct passdown *pd, *tmp;
 
-	list_for_each_entry_safe(pd, tmp, &pool->passdowns, list) {
+	list_for_each_entry_safe(pd, tmp, runs, list) {
 		list_del(&pd->list);
 		kfree(pd);
 	}
+}
+
+static void free_passdowns(struct pool *pool)
+{
+	free_runs(&pool->passdowns);
 	pool->nr_passdowns = 0;
 }
 
+static void passdown_done(struct work_struct *ws);
+
+static void passdown_endio(struct bio *bio)
+{
+	struct passdown_batch *batch = bio->bi_private;
+
+	bio_put(bio);
+	queue_work(batch->pool->wq, &batch->work);
+}
+
 /*
- * Discard the queued runs on the data device, all at once, and wait.  The
- * commit of the transaction that freed them calls this: after the IO
- * grace period, so no IO reads them any more; after the metadata commit,
- * so no abort can map them again; and while the metadata still holds
- * them back from allocation, so no discard lands on new data.  Errors are
- * ignored, as the device may ignore a discard.  Not after an abort since
- * the first was queued: the transaction that freed them was rolled back.
+ * Discard @runs on the data device, all at once, without waiting
+ * (dm-thin does not either), and free them.  Their blocks are the older
+ * generation of held blocks: no discard lands on new data.  Errors are
+ * ignored, as the device may ignore a discard, and so is a lack of
+ * memory.
+ *
+ * Return: whether a batch went out; passdown_done() runs when it is done.
  */
-static void issue_passdowns(struct pool *pool)
+static bool issue_passdowns(struct pool *pool, struct list_head *runs)
 {
 	sector_t spb = pool->sectors_per_block;
+	struct passdown_batch *batch;
 	struct passdown *pd;
 	struct bio *bio = NULL;
 	struct blk_plug plug;
+	bool issued = false;
 
 	lockdep_assert_held(&pool->commit_lock);
-	if (list_empty(&pool->passdowns))
-		return;
-	if (atomic_read(&pool->aborts) != pool->passdowns_aborts) {
-		free_passdowns(pool);
-		return;
+	batch = kmalloc(sizeof(*batch), GFP_NOIO);
+	if (batch) {
+		blk_start_plug(&plug);
+		list_for_each_entry(pd, runs, list)
+			__blkdev_issue_discard(pool->data_dev.bdev, pd->begin * spb,
+					       (pd->end - pd->begin) * spb,
+					       GFP_NOIO, &bio);
+		if (bio) {
+			INIT_WORK(&batch->work, passdown_done);
+			batch->pool = pool;
+			bio->bi_private = batch;
+			bio->bi_end_io = passdown_endio;
+			submit_bio(bio);
+			issued = true;
+		} else {
+			kfree(batch);
+		}
+		blk_finish_plug(&plug);
 	}
-	blk_start_plug(&plug);
-	list_for_each_entry(pd, &pool->passdowns, list)
-		__blkdev_issue_discard(pool->data_dev.bdev, pd->begin * spb,
-				       (pd->end - pd->begin) * spb, GFP_NOIO,
-				       &bio);
-	if (bio) {
-		submit_bio_wait(bio);
-		bio_put(bio);
+	free_runs(runs);
+	return issued;
+}
+
+/*
+ * The batch of passdowns in flight is done, or there was none: release
+ * its blocks (the older held generation), and send the runs committed
+ * since (the newer) as the next batch.  Caller holds commit_lock.
+ */
+static void next_passdown_batch(struct pool *pool)
+{
+	bool in_flight;
+
+	lockdep_assert_held(&pool->commit_lock);
+	tsp_pool_release_held_blocks(pool->pmd);
+	in_flight = !list_empty(&pool->passdowns_next) &&
+		    issue_passdowns(pool, &pool->passdowns_next);
+	pool->nr_passdowns_next = 0;
+	/* None went out: the blocks held for it need not wait. */
+	if (!in_flight)
+		tsp_pool_release_held_blocks(pool->pmd);
+	WRITE_ONCE(pool->passdown_in_flight, in_flight);
+	atomic64_inc(&pool->space_gen);
+}
+
+/* Worker of a batch of passdowns that is done (passdown_endio()). */
+static void passdown_done(struct work_struct *ws)
+{
+	struct passdown_batch *batch = container_of(ws, struct passdown_batch, work);
+	struct pool *pool = batch->pool;
+
+	kfree(batch);
+	mutex_lock(&pool->commit_lock);
+	next_passdown_batch(pool);
+	check_data_space(pool);
+	mutex_unlock(&pool->commit_lock);
+	/*
+	 * Whoever waits flushes pool->wq after: we are done with @pool.  The
+	 * barrier orders the store above before wake_up_var()'s look at the
+	 * waiters (see wait_var_event()).
+	 */
+	smp_mb();
+	wake_up_var(&pool->passdown_in_flight);
+}
+
+/*
+ * Wait for the batches of passdowns in flight, and for passdown_done()
+ * to be done with the pool.  Not under commit_lock.
+ */
+static void wait_for_passdowns(struct pool *pool)
+{
+	wait_var_event(&pool->passdown_in_flight,
+		       !READ_ONCE(pool->passdown_in_flight));
+	flush_workqueue(pool->wq);
+}
+
+/*
+ * The commit of the transaction that freed the queued runs succeeded:
+ * after the IO grace period, so no IO reads them any more, and after the
+ * metadata commit, so no abort can map them again.  They go out as the
+ * next batch.  Not after an abort since the first was queued: the
+ * transaction that freed them was rolled back.
+ */
+static void queue_committed_passdowns(struct pool *pool)
+{
+	if (atomic_read(&pool->aborts) == pool->passdowns_aborts &&
+	    pool->nr_passdowns_next < MAX_PASSDOWNS_NEXT) {
+		list_splice_tail_init(&pool->passdowns, &pool->passdowns_next);
+		pool->nr_passdowns_next += pool->nr_passdowns;
 	}
-	blk_finish_plug(&plug);
 	free_passdowns(pool);
+	if (!pool->passdown_in_flight)
+		next_passdown_batch(pool);
 }
 
 static int __commit(struct pool *pool)
@@ -1095,17 +1220,16 @@ static int __commit(struct pool *pool)
 	if (r) {
 		/*
 		 * The passdowns are kept: after an abort the next commit drops
-		 * them (issue_passdowns()); after a refusal the transaction
-		 * that freed them stands.
+		 * them (queue_committed_passdowns()); after a refusal the
+		 * transaction that freed them stands.
 		 */
 		metadata_failed(pool, "commit", r);
 		return r;
 	}
-	if (pass_down) {
-		issue_passdowns(pool);
-		tsp_pool_release_held_blocks(pool->pmd);
-	}
+	if (pass_down)
+		queue_committed_passdowns(pool);
 	atomic64_inc(&pool->commits);
+	atomic64_inc(&pool->space_gen);
 	check_metadata_space(pool);
 	check_data_space(pool);
 	return 0;
@@ -1774,10 +1898,10 @@ static void do_no_space_timeout(struct work_struct *ws)
 }
 
 /*
- * A write needs a new block and there is none.  @commits_seen: the pool's
- * commit count when the allocation that failed started.
+ * A write needs a new block and there is none.  @space_gen_seen: the
+ * pool's space_gen when the allocation that failed started.
  */
-static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
+static void no_space_for(struct pool *pool, struct bio *bio, u64 space_gen_seen)
 {
 	bool requeue;
 
@@ -1788,14 +1912,14 @@ static void no_space_for(struct pool *pool, struct bio *bio, u64 commits_seen)
 		return;
 	}
 	/*
-	 * A commit elsewhere since the allocation started may have made
-	 * freed blocks allocatable, and looked (check_data_space()) before
-	 * the switch above: look again.  Only then, so that blocks the
-	 * count calls free but allocation cannot find (corrupt metadata)
-	 * do not send the bio round for ever.
+	 * A commit or a passdown elsewhere since the allocation started may
+	 * have made freed blocks allocatable, and looked
+	 * (check_data_space()) before the switch above: look again.  Only
+	 * then, so that blocks the count calls free but allocation cannot
+	 * find (corrupt metadata) do not send the bio round for ever.
 	 */
 	mutex_lock(&pool->commit_lock);
-	if (atomic64_read(&pool->commits) != commits_seen)
+	if (atomic64_read(&pool->space_gen) != space_gen_seen)
 		check_data_space(pool);
 	mutex_unlock(&pool->commit_lock);
 	if (pool_mode(pool) == PM_WRITE) {
@@ -1854,13 +1978,13 @@ static void check_low_water_mark(struct pool *pool, tsp_block_t nr_free)
 /* Allocate a data block; -ENOSPC has been dealt with (bio queued). */
 static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 {
-	u64 commits = atomic64_read(&pool->commits);
+	u64 space_gen = atomic64_read(&pool->space_gen);
 	struct tsp_pool_space space;
 	int r;
 
 	if (pool_mode(pool) != PM_WRITE) {
 		if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
-			no_space_for(pool, bio, commits);
+			no_space_for(pool, bio, space_gen);
 			return -ENOSPC;
 		}
 		bio_io_error(bio);
@@ -1874,11 +1998,11 @@ static int alloc_block(struct pool *pool, struct bio *bio, tsp_block_t *result)
 			bio_io_error(bio);	/* commit() dealt with the failure */
 			return -EIO;
 		}
-		commits = atomic64_read(&pool->commits);
+		space_gen = atomic64_read(&pool->space_gen);
 		r = tsp_pool_alloc_data_block(pool->pmd, result);
 	}
 	if (r == -ENOSPC) {
-		no_space_for(pool, bio, commits);
+		no_space_for(pool, bio, space_gen);
 		return r;
 	}
 	if (r) {
@@ -2336,6 +2460,8 @@ static void pool_destroy(struct pool *pool)
 	cancel_delayed_work_sync(&pool->no_space_timeout);
 	if (pool->pmd) {
 		final_commit(pool);
+		if (pool->wq)
+			wait_for_passdowns(pool);
 		if (tsp_pool_metadata_close(pool->pmd) < 0)
 			DMWARN("%s: metadata close failed", __func__);
 	}
@@ -2398,6 +2524,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	spin_lock_init(&pool->lock);
 	mutex_init(&pool->commit_lock);
 	INIT_LIST_HEAD(&pool->passdowns);
+	INIT_LIST_HEAD(&pool->passdowns_next);
 	mutex_init(&pool->mode_lock);
 	bio_list_init(&pool->retry_list);
 	INIT_LIST_HEAD(&pool->thins);
@@ -2406,6 +2533,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 	INIT_DELAYED_WORK(&pool->waker, do_waker);
 	INIT_DELAYED_WORK(&pool->no_space_timeout, do_no_space_timeout);
 	atomic64_set(&pool->commits, 0);
+	atomic64_set(&pool->space_gen, 0);
 
 	r = bdev_ref_get(&pool->metadata_dev, metadata_bdev->bd_dev);
 	if (!r)
@@ -2968,7 +3096,8 @@ static int pool_preresume(struct dm_target *ti)
 	if (pool_mode(pool) == PM_OUT_OF_DATA_SPACE) {
 		tsp_block_t free;
 
-		if (!tsp_pool_get_free_block_count(pool->pmd, &free) && free)
+		if (!tsp_pool_get_allocatable_block_count(pool->pmd, false,
+							  &free) && free)
 			switch_pool_mode(pool, PM_OUT_OF_DATA_SPACE, PM_WRITE);
 	}
 	if (pool_mode(pool) == PM_OUT_OF_METADATA_SPACE) {
@@ -3011,6 +3140,7 @@ static void pool_postsuspend(struct dm_target *ti)
 	cancel_delayed_work_sync(&pool->no_space_timeout);
 	flush_workqueue(pool->wq);
 	(void)commit(pool);
+	wait_for_passdowns(pool);
 }
 
 /* A device id in a message: a number of dm-thin's 24 bits. */

@@ -16,7 +16,9 @@
  * The caller may hold the blocks freed so far back from allocation past
  * the commit, until it releases them (tsp_data_sm_hold_freed()): the pool
  * discards them on the data device after the commit that frees them, and
- * none may be reused before the discard is done.
+ * none may be reused before the discard is done.  Held blocks come in two
+ * generations, so that those of a discard in flight can be released
+ * while later ones, waiting for it, stay held.
  *
  * An index entry's nr_free counts, as dm-thin's does, every free entry
  * of its bitmap block, also those past the end of the device: dm-thin
@@ -64,7 +66,11 @@ struct tsp_data_sm {
 	struct tsp_index_entry *index;
 	u8 *dirty;				/* index entry changed */
 	u64 **freed;	/* per bitmap, NULL or a bit per entry freed now */
-	u64 **held;	/* the same, for entries held past their commit */
+	/*
+	 * The same, for entries held past their commit: held[0] is released
+	 * first; holds join held[1].
+	 */
+	u64 **held[2];
 	u8 *counted;				/* nr_free known exact */
 	/*
 	 * Where allocation searches first: below it in its bitmap every
@@ -201,19 +207,21 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 {
 	struct tsp_index_entry *index;
 	u8 *dirty, *counted;
-	u64 **freed, **held;
+	u64 **freed, **held0, **held1;
 
 	index = kvcalloc(nr, sizeof(*index), GFP_KERNEL);
 	dirty = kvzalloc(nr, GFP_KERNEL);
 	counted = kvzalloc(nr, GFP_KERNEL);
 	freed = kvcalloc(nr, sizeof(*freed), GFP_KERNEL);
-	held = kvcalloc(nr, sizeof(*held), GFP_KERNEL);
-	if (!index || !dirty || !counted || !freed || !held) {
+	held0 = kvcalloc(nr, sizeof(*held0), GFP_KERNEL);
+	held1 = kvcalloc(nr, sizeof(*held1), GFP_KERNEL);
+	if (!index || !dirty || !counted || !freed || !held0 || !held1) {
 		kvfree(index);
 		kvfree(dirty);
 		kvfree(counted);
 		kvfree(freed);
-		kvfree(held);
+		kvfree(held0);
+		kvfree(held1);
 		return -ENOMEM;
 	}
 	if (sm->index) {
@@ -221,23 +229,26 @@ static int resize_index(struct tsp_data_sm *sm, u64 nr)
 		memcpy(dirty, sm->dirty, sm->nr_bitmaps);
 		memcpy(counted, sm->counted, sm->nr_bitmaps);
 		memcpy(freed, sm->freed, sm->nr_bitmaps * sizeof(*freed));
-		memcpy(held, sm->held, sm->nr_bitmaps * sizeof(*held));
+		memcpy(held0, sm->held[0], sm->nr_bitmaps * sizeof(*held0));
+		memcpy(held1, sm->held[1], sm->nr_bitmaps * sizeof(*held1));
 		kvfree(sm->index);
 		kvfree(sm->dirty);
 		kvfree(sm->counted);
 		kvfree(sm->freed);
-		kvfree(sm->held);
+		kvfree(sm->held[0]);
+		kvfree(sm->held[1]);
 	}
 	sm->index = index;
 	sm->dirty = dirty;
 	sm->counted = counted;
 	sm->freed = freed;
-	sm->held = held;
+	sm->held[0] = held0;
+	sm->held[1] = held1;
 	sm->nr_bitmaps = nr;
 	return 0;
 }
 
-/* Empty a set of entries (sm->freed or sm->held). */
+/* Empty a set of entries (sm->freed or one of sm->held). */
 static void forget_entries(struct tsp_data_sm *sm, u64 **set)
 {
 	u64 i;
@@ -265,7 +276,7 @@ static bool in_set(u64 **set, u64 i, u32 pos)
 	return set[i] && (set[i][pos / 64] >> (pos % 64)) & 1;
 }
 
-/* The number of entries in a set (sm->freed or sm->held). */
+/* The number of entries in a set (sm->freed or one of sm->held). */
 static tsp_block_t count_entries(struct tsp_data_sm *sm, u64 **set)
 {
 	tsp_block_t n = 0;
@@ -283,13 +294,15 @@ void tsp_data_sm_destroy(struct tsp_data_sm *sm)
 	tsp_data_sm_unlock(sm);
 	if (sm->index) {
 		forget_entries(sm, sm->freed);
-		forget_entries(sm, sm->held);
+		forget_entries(sm, sm->held[0]);
+		forget_entries(sm, sm->held[1]);
 	}
 	kvfree(sm->index);
 	kvfree(sm->dirty);
 	kvfree(sm->counted);
 	kvfree(sm->freed);
-	kvfree(sm->held);
+	kvfree(sm->held[0]);
+	kvfree(sm->held[1]);
 	kfree(sm);
 }
 
@@ -298,22 +311,23 @@ void tsp_data_sm_destroy(struct tsp_data_sm *sm)
  * @sm: space map
  *
  * The blocks freed in this transaction stay out of allocation past its
- * commit, until tsp_data_sm_release_held(), together with any still held
- * from before.  Allocates nothing.
+ * commit, in the newer generation of held blocks, with those held there
+ * since the last tsp_data_sm_release_held().  Allocates nothing.
  */
 void tsp_data_sm_hold_freed(struct tsp_data_sm *sm)
 {
+	u64 **held = sm->held[1];
 	u64 i;
 	u32 w;
 
 	for (i = 0; i < sm->nr_bitmaps; i++) {
 		if (!sm->freed[i])
 			continue;
-		if (!sm->held[i]) {
-			sm->held[i] = sm->freed[i];
+		if (!held[i]) {
+			held[i] = sm->freed[i];
 		} else {
 			for (w = 0; w < FREED_WORDS; w++)
-				sm->held[i][w] |= sm->freed[i][w];
+				held[i][w] |= sm->freed[i][w];
 			kfree(sm->freed[i]);
 		}
 		sm->freed[i] = NULL;
@@ -321,16 +335,22 @@ void tsp_data_sm_hold_freed(struct tsp_data_sm *sm)
 }
 
 /**
- * tsp_data_sm_release_held - let allocation have the held blocks again
+ * tsp_data_sm_release_held - let allocation have the older held blocks
  * @sm: space map
  *
- * Those freed in this transaction since they were held still wait for
- * its commit.  Allocation searches from the start again, as after a
- * commit, to reuse them first.
+ * The older generation of held blocks is free for allocation again; the
+ * newer becomes the older, and holds start a new one.  Those freed in
+ * this transaction since the last hold still wait for its commit.
+ * Allocation searches from the start again, as after a commit, to reuse
+ * the released blocks first.
  */
 void tsp_data_sm_release_held(struct tsp_data_sm *sm)
 {
-	forget_entries(sm, sm->held);
+	u64 **released = sm->held[0];
+
+	forget_entries(sm, released);
+	sm->held[0] = sm->held[1];
+	sm->held[1] = released;
 	sm->alloc_cursor = 0;
 	forget_free_run(sm);
 }
@@ -499,7 +519,7 @@ tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm)
  * @sm: space map
  *
  * Counts the blocks freed in this transaction, which wait for its commit,
- * and those held past their commit, which wait for
+ * and those held past their commit (both generations), which wait for
  * tsp_data_sm_release_held().  tsp_data_sm_nr_free() counts them as free.
  * Walks the sets of them: for reports, not for the IO path.
  *
@@ -507,7 +527,21 @@ tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm)
  */
 tsp_block_t tsp_data_sm_nr_waiting(struct tsp_data_sm *sm)
 {
-	return count_entries(sm, sm->freed) + count_entries(sm, sm->held);
+	return count_entries(sm, sm->freed) + tsp_data_sm_nr_held(sm);
+}
+
+/**
+ * tsp_data_sm_nr_held - free blocks held past their commit
+ * @sm: space map
+ *
+ * Counts both generations; tsp_data_sm_nr_free() counts them as free.
+ * Walks the sets of them: not for the IO path.
+ *
+ * Return: the number of such blocks.
+ */
+tsp_block_t tsp_data_sm_nr_held(struct tsp_data_sm *sm)
+{
+	return count_entries(sm, sm->held[0]) + count_entries(sm, sm->held[1]);
 }
 
 /*
@@ -730,7 +764,8 @@ static bool allocatable(struct tsp_data_sm *sm, u64 i, struct tsp_block *bitmap,
 			u32 j)
 {
 	return !tsp_bitmap_get(tsp_block_data(bitmap), j) &&
-	       !in_set(sm->freed, i, j) && !in_set(sm->held, i, j);
+	       !in_set(sm->freed, i, j) && !in_set(sm->held[0], i, j) &&
+	       !in_set(sm->held[1], i, j);
 }
 
 /*

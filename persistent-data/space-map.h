@@ -35,6 +35,7 @@ void tsp_data_sm_destroy(struct tsp_data_sm *sm);
 tsp_block_t tsp_data_sm_nr_blocks(struct tsp_data_sm *sm);
 tsp_block_t tsp_data_sm_nr_free(struct tsp_data_sm *sm);
 tsp_block_t tsp_data_sm_nr_waiting(struct tsp_data_sm *sm);
+tsp_block_t tsp_data_sm_nr_held(struct tsp_data_sm *sm);
 int __must_check tsp_data_sm_get_count(struct tsp_data_sm *sm, tsp_block_t b,
 				       u32 *count);
 int __must_check tsp_data_sm_inc(struct tsp_data_sm *sm, tsp_block_t b);

@@ -28,7 +28,8 @@
  *                shared; find_block and find_mapped_range fill; the cache
  *                can be replaced (set_cache_budget) under fast lookups
  *   hold_freed   blocks freed before tsp_pool_commit_metadata_hold_freed()
- *                stay out of allocation until released, or an abort
+ *                stay out of allocation until released (two releases:
+ *                they are held in the newer generation), or an abort
  *
  * Every group checks that it leaves no allocation behind (after
  * rcu_barrier(), which in userspace runs the queued call_rcu()s).  The
@@ -1087,7 +1088,7 @@ static void test_hold_freed(void)
 {
 	struct tsp_thin_device *td;
 	struct pool p;
-	tsp_block_t b, v;
+	tsp_block_t b, v, nf, na;
 
 	phase = "hold_freed";
 	pool_create(&p);
@@ -1100,11 +1101,28 @@ static void test_hold_freed(void)
 	}
 	CHECK_R(tsp_pool_commit_metadata(p.pmd), 0);
 
+	/*
+	 * Held in the newer generation, then in the older, then free; the
+	 * allocatable count leaves them out while they are held.
+	 */
 	CHECK_R(tsp_thin_remove_range(td, 0, 2), 0);
+	CHECK_R(tsp_pool_get_free_block_count(p.pmd, &nf), 0);
+	CHECK_R(tsp_pool_get_allocatable_block_count(p.pmd, false, &na), 0);
+	CHECK(na == nf);
+	CHECK_R(tsp_pool_get_allocatable_block_count(p.pmd, true, &na), 0);
+	CHECK(na == nf - 2);
 	CHECK_R(tsp_pool_commit_metadata_hold_freed(p.pmd), 0);
+	CHECK_R(tsp_pool_get_allocatable_block_count(p.pmd, false, &na), 0);
+	CHECK(na == nf - 2);
 	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
 	CHECK_R(b, 10);
 	tsp_pool_release_held_blocks(p.pmd);
+	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
+	CHECK_R(b, 11);
+	tsp_pool_release_held_blocks(p.pmd);
+	CHECK_R(tsp_pool_get_free_block_count(p.pmd, &nf), 0);
+	CHECK_R(tsp_pool_get_allocatable_block_count(p.pmd, false, &na), 0);
+	CHECK(na == nf);
 	CHECK_R(tsp_pool_alloc_data_block(p.pmd, &b), 0);
 	CHECK_R(b, 0);
 

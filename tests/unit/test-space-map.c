@@ -604,7 +604,8 @@ static void test_reuse_in_transaction(void)
 
 /*
  * Blocks freed before tsp_data_sm_hold_freed() stay out of allocation
- * past the commit, until released; those freed after it do not.
+ * past the commit, until released: the release after the one that
+ * made them the older generation; those freed after it do not.
  */
 static void test_hold_freed(void)
 {
@@ -631,10 +632,36 @@ static void test_hold_freed(void)
 	CHECK_R(op_new(c, &b), 0);
 	CHECK_R(b, 10);
 	CHECK(tsp_data_sm_nr_waiting(c->sm) == 1);
+	tsp_data_sm_release_held(c->sm);	/* 3 is the older generation */
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 1);
+	CHECK_R(op_new(c, &b), 0);
+	CHECK_R(b, 11);
 	tsp_data_sm_release_held(c->sm);
 	CHECK(tsp_data_sm_nr_waiting(c->sm) == 0);
 	CHECK_R(op_new(c, &b), 0);
 	CHECK_R(b, 3);
+	verify(c);
+	commit(c);
+
+	/*
+	 * Two generations: 4, held and made the older, is released while 5,
+	 * held since, stays held until the next release.
+	 */
+	CHECK_R(op_dec(c, 4), 0);
+	tsp_data_sm_hold_freed(c->sm);
+	commit(c);
+	tsp_data_sm_release_held(c->sm);
+	CHECK_R(op_dec(c, 5), 0);
+	tsp_data_sm_hold_freed(c->sm);
+	commit(c);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 2);
+	tsp_data_sm_release_held(c->sm);
+	CHECK(tsp_data_sm_nr_waiting(c->sm) == 1);
+	CHECK_R(op_new(c, &b), 0);
+	CHECK_R(b, 4);
+	tsp_data_sm_release_held(c->sm);
+	CHECK_R(op_new(c, &b), 0);
+	CHECK_R(b, 5);
 	verify(c);
 	commit(c);
 	ctx_destroy(c);

@@ -95,6 +95,20 @@ assert_eq() {
 	[ "$1" = "$2" ] || fail "${3:-value}: expected '$1', got '$2'"
 }
 
+# eventually_eq <expected> <what> <command...>: assert_eq on the
+# command's output, tried again for up to 20 s while it differs: for what
+# the kernel finishes after the call that started it returned.
+eventually_eq() {
+	local want=$1 what=$2 got i
+	shift 2
+	for i in $(seq 200); do
+		got=$("$@")
+		[ "$got" = "$want" ] && return 0
+		sleep 0.1
+	done
+	assert_eq "$want" "$got" "$what (after $i tries)"
+}
+
 # Run a command that must fail; its output is indented into the log.
 expect_fail() {
 	local rc=0 out

@@ -139,6 +139,10 @@ pool_used() { # used data blocks
 
 # pool_stat <counter>: that counter of tss-pool's stats message (ours
 # only).  In a test (set -e), "v=$(pool_stat x)" fails it if there is none.
+pool_mode() { # <pool>: rw, ro or out_of_data_space
+	dm_status "$1" | cut -d' ' -f5
+}
+
 pool_stat() {
 	local s
 	s=$(dmsetup message tss-pool 0 stats) || fail "the stats message failed"

@@ -319,7 +319,8 @@ test_discard() {
 		done
 		assert_eq 1 "$n" "freed blocks waiting after discarding one block, $i tries"
 		dm_status tss-pool >/dev/null
-		assert_eq 0 "$(pool_stat freed_blocks_waiting)" "freed blocks waiting after commit"
+		# Held until the passdown, if any, is done.
+		eventually_eq 0 "freed blocks waiting after commit" pool_stat freed_blocks_waiting
 	fi
 	assert_eq 0 "$(pool_used tss-pool)" "blocks after discarding everything"
 	assert_eq "0 -" "$(dm_status tss-thin0)" "thin status after discarding everything"
@@ -445,9 +446,9 @@ test_discard_passdown() {
 	assert_eq 256 "$(pool_used tss-lower)" "blocks the lower pool maps before the discards"
 
 	blkdiscard -o 0 -l $((12 << 20)) $t
-	dm_status tss-pool >/dev/null	# commits
+	dm_status tss-pool >/dev/null	# commits, and passes down without waiting
 	assert_eq 128 "$(pool_used tss-pool)" "our blocks after the discards"
-	assert_eq 128 "$(pool_used tss-lower)" "blocks the lower pool maps after the discards"
+	eventually_eq 128 "blocks the lower pool maps after the discards" pool_used tss-lower
 	assert_eq "$(part_sha a 0 4)" "$(dev_sha /dev/mapper/tss-snap 0 4)" "the snapshot's data"
 	assert_eq "$(part_sha a 12 4)" "$(dev_sha $t 12 4)" "the origin's data after the discard"
 
@@ -462,12 +463,90 @@ test_discard_passdown() {
 	run_fio trims --filename=/dev/mapper/tss-thin2 --ioengine=psync --rw=trim:64k \
 		--bs=64k --size=128M
 	assert_eq $((128 + 1024)) "$(pool_used tss-pool)" "our blocks after 1024 discards"
-	assert_eq $((before - 1024)) "$(pool_used tss-lower)" "blocks the lower pool maps after 1024 discards"
+	eventually_eq $((before - 1024)) "blocks the lower pool maps after 1024 discards" \
+		pool_used tss-lower
 	assert_eq "$(part b 65536 65536 | md5sum | cut -d' ' -f1)" \
 		"$(dd if=/dev/mapper/tss-thin2 bs=64k skip=1 count=1 iflag=direct status=none | md5sum | cut -d' ' -f1)" \
 		"a block between the discarded ones"
 	dm_remove tss-thin2
 	dm_remove tss-snap
+	dm_remove tss-thin0
+	teardown_pool
+	dm_remove tss-lower
+	check_meta /dev/ram1
+}
+
+# The commit that passes discards down does not wait for them (dm-thin
+# does not either): the blocks stay held back from allocation until they
+# are done.  The data device delays writes, discards among them, by 10 s
+# (dm-delay over a stock thin volume, which takes discards): right after
+# the status line's commit the freed blocks still wait, and then go.
+test_passdown_no_wait() {
+	local t=/dev/mapper/tss-thin0 lower=/dev/mapper/tss-lt before
+	local delay="0 524288 delay $lower 0 0 $lower 0"
+	need_targets
+	ours || skip "dm-thin passes discards down before their commit"
+	modprobe dm-delay || skip "no dm-delay"
+	brd_setup 3 512
+	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
+	dm_message tss-lower "create_thin 0"
+	dm_create tss-lt "0 524288 thin /dev/mapper/tss-lower 0"
+	dm_create tss-data "$delay 0 $lower 0 0"
+	dm_create tss-meta "0 131072 linear /dev/ram0 0"
+	dm_create tss-pool "0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over dm-delay"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 4M /dev/urandom >a
+	write_file a $t 0
+	dm_status tss-pool >/dev/null	# commits
+	before=$(pool_used tss-lower)
+
+	dmsetup reload tss-data --table "$delay 10000 $lower 0 0"
+	dmsetup suspend tss-data
+	dmsetup resume tss-data
+	blkdiscard -o 0 -l $((4 << 20)) $t
+	dm_status tss-pool >/dev/null	# commits, passes down
+	assert_eq 64 "$(pool_stat freed_blocks_waiting)" "blocks held while their discards wait"
+	assert_eq "$before" "$(pool_used tss-lower)" "lower pool's blocks while the discards wait"
+	eventually_eq 0 "blocks held once the discards are done" pool_stat freed_blocks_waiting
+	assert_eq $((before - 64)) "$(pool_used tss-lower)" "lower pool's blocks after the discards"
+	dm_remove tss-thin0
+	teardown_pool
+	dm_remove tss-lt
+	dm_remove tss-lower
+	check_meta /dev/ram1
+}
+
+# A full pool whose writes wait for space gets it back from a discard
+# passed down: the blocks are allocated again once their discards are
+# done, and the waiting write goes through.  The data device is a stock
+# thin volume, which takes discards.
+test_passdown_frees_full_pool() {
+	local t=/dev/mapper/tss-thin0 pid
+	need_targets
+	brd_setup 3 512
+	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
+	dm_message tss-lower "create_thin 0"
+	dm_create tss-data "0 32768 thin /dev/mapper/tss-lower 0"
+	dm_create tss-meta "0 131072 linear /dev/ram0 0"
+	dm_create tss-pool "0 32768 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
+	dm_message tss-pool "create_thin 0"
+	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
+	head -c 20M /dev/urandom >a
+	dd if=a of=$t bs=1M count=16 oflag=direct conv=notrunc status=none ||
+		fail "filling the pool failed"
+	assert_eq "256/256" "$(dm_status tss-pool | cut -d' ' -f3)" "data blocks when full"
+
+	dd if=a of=$t bs=1M skip=16 seek=16 count=4 oflag=direct conv=notrunc status=none &
+	pid=$!
+	eventually_eq out_of_data_space "pool mode with a write waiting" pool_mode tss-pool
+	blkdiscard -o 0 -l $((8 << 20)) $t
+	wait $pid || fail "the write waiting for space failed"
+	assert_eq rw "$(pool_mode tss-pool)" "pool mode after the discard"
+	assert_eq "$(part_sha a 8 12)" "$(dev_sha $t 8 12)" "data after the discard"
+	assert_eq "$(zero_sha 8)" "$(dev_sha $t 0 8)" "the discarded range"
 	dm_remove tss-thin0
 	teardown_pool
 	dm_remove tss-lower
@@ -1643,6 +1722,8 @@ run_test thin_scalable_ignore_discard test_ignore_discard
 run_test thin_scalable_discard_isolation test_discard_isolation
 run_test thin_scalable_discard_passdown test_discard_passdown
 run_test thin_scalable_passdown_failed_commit test_passdown_failed_commit
+run_test thin_scalable_passdown_no_wait test_passdown_no_wait
+run_test thin_scalable_passdown_frees_full_pool test_passdown_frees_full_pool
 run_test thin_scalable_zeroing_offload test_zeroing_offload
 run_test thin_scalable_zeroing_offload_refused test_zeroing_offload_refused
 run_test thin_scalable_zeroing_around test_zeroing_around
