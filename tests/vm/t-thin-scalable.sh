@@ -423,17 +423,33 @@ test_discard_isolation() {
 # whose own pool counts the blocks it still maps.  They go down with the
 # commit after the discard (after the IO grace period; dmsetup status
 # commits), and only for blocks no other device still maps.
-test_discard_passdown() {
-	local t=/dev/mapper/tss-thin0 before
-	need_targets
+# passdown_pool <sectors> [<data table>]: our pool of <sectors>, with thin
+# device 0, passing discards down to a stock thin volume (tss-lt, of the
+# pool tss-lower), through a linear table or <data table> over it.
+passdown_pool() {
+	local sectors=$1
 	brd_setup 3 512
 	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
 	dm_message tss-lower "create_thin 0"
-	dm_create tss-data "0 524288 thin /dev/mapper/tss-lower 0"
+	dm_create tss-lt "0 $sectors thin /dev/mapper/tss-lower 0"
+	dm_create tss-data "${2:-0 $sectors linear /dev/mapper/tss-lt 0}"
 	dm_create tss-meta "0 131072 linear /dev/ram0 0"
-	dm_create tss-pool "0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
-	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
+	dm_create tss-pool "0 $sectors $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
+	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown to a thin volume"
 	dm_message tss-pool "create_thin 0"
+}
+
+teardown_passdown_pool() {
+	teardown_pool
+	dm_remove tss-lt
+	dm_remove tss-lower
+	check_meta /dev/ram1
+}
+
+test_discard_passdown() {
+	local t=/dev/mapper/tss-thin0 before
+	need_targets
+	passdown_pool 524288
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
 	head -c 16M /dev/urandom >a
 	write_file a $t 0
@@ -471,9 +487,7 @@ test_discard_passdown() {
 	dm_remove tss-thin2
 	dm_remove tss-snap
 	dm_remove tss-thin0
-	teardown_pool
-	dm_remove tss-lower
-	check_meta /dev/ram1
+	teardown_passdown_pool
 }
 
 # The commit that passes discards down does not wait for them (dm-thin
@@ -487,15 +501,7 @@ test_passdown_no_wait() {
 	need_targets
 	ours || skip "dm-thin passes discards down before their commit"
 	modprobe dm-delay || skip "no dm-delay"
-	brd_setup 3 512
-	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
-	dm_message tss-lower "create_thin 0"
-	dm_create tss-lt "0 524288 thin /dev/mapper/tss-lower 0"
-	dm_create tss-data "$delay 0 $lower 0 0"
-	dm_create tss-meta "0 131072 linear /dev/ram0 0"
-	dm_create tss-pool "0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
-	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over dm-delay"
-	dm_message tss-pool "create_thin 0"
+	passdown_pool 524288 "$delay 0 $lower 0 0"
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
 	head -c 4M /dev/urandom >a
 	write_file a $t 0
@@ -512,10 +518,7 @@ test_passdown_no_wait() {
 	eventually_eq 0 "blocks held once the discards are done" pool_stat freed_blocks_waiting
 	assert_eq $((before - 64)) "$(pool_used tss-lower)" "lower pool's blocks after the discards"
 	dm_remove tss-thin0
-	teardown_pool
-	dm_remove tss-lt
-	dm_remove tss-lower
-	check_meta /dev/ram1
+	teardown_passdown_pool
 }
 
 # A full pool whose writes wait for space gets it back from a discard
@@ -525,14 +528,7 @@ test_passdown_no_wait() {
 test_passdown_frees_full_pool() {
 	local t=/dev/mapper/tss-thin0 pid
 	need_targets
-	brd_setup 3 512
-	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
-	dm_message tss-lower "create_thin 0"
-	dm_create tss-data "0 32768 thin /dev/mapper/tss-lower 0"
-	dm_create tss-meta "0 131072 linear /dev/ram0 0"
-	dm_create tss-pool "0 32768 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
-	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
-	dm_message tss-pool "create_thin 0"
+	passdown_pool 32768
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
 	head -c 20M /dev/urandom >a
 	dd if=a of=$t bs=1M count=16 oflag=direct conv=notrunc status=none ||
@@ -548,9 +544,7 @@ test_passdown_frees_full_pool() {
 	assert_eq "$(part_sha a 8 12)" "$(dev_sha $t 8 12)" "data after the discard"
 	assert_eq "$(zero_sha 8)" "$(dev_sha $t 0 8)" "the discarded range"
 	dm_remove tss-thin0
-	teardown_pool
-	dm_remove tss-lower
-	check_meta /dev/ram1
+	teardown_passdown_pool
 }
 
 # A data device that offers WRITE ZEROES gets the rest of each new block
@@ -701,14 +695,7 @@ test_passdown_failed_commit() {
 	local pool_line="0 524288 $POOL_T /dev/mapper/tss-meta /dev/mapper/tss-data 128 $LOW_WATER 0"
 	need_targets
 	ours || skip "dm-thin passes discards down before their commit"
-	brd_setup 3 512
-	dm_create tss-lower "0 1048576 thin-pool /dev/ram1 /dev/ram2 128 0 0"
-	dm_message tss-lower "create_thin 0"
-	dm_create tss-data "0 524288 thin /dev/mapper/tss-lower 0"
-	dm_create tss-meta "$meta_line"
-	dm_create tss-pool "$pool_line"
-	assert_eq discard_passdown "$(dm_status tss-pool | cut -d' ' -f6)" "passdown over a thin volume"
-	dm_message tss-pool "create_thin 0"
+	passdown_pool 524288
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
 	head -c 4M /dev/urandom >a
 	write_file a $t 0
@@ -739,9 +726,7 @@ test_passdown_failed_commit() {
 	dm_create tss-thin0 "0 65536 $THIN_T /dev/mapper/tss-pool 0"
 	assert_eq "$(file_sha a)" "$(dev_sha $t 0 4)" "data of blocks whose discard was rolled back"
 	dm_remove tss-thin0
-	teardown_pool
-	dm_remove tss-lower
-	check_meta /dev/ram1
+	teardown_passdown_pool
 }
 
 # --- 4b. data device errors --------------------------------------------------
