@@ -510,10 +510,12 @@ struct passdown {
 	tsp_block_t begin, end;
 };
 
-/* The discards of one batch of passdowns, in flight. */
+/* One batch of passdowns, in flight: sent, then done, on pool->wq. */
 struct passdown_batch {
-	struct work_struct work;	/* passdown_done(), on pool->wq */
 	struct pool *pool;
+	struct list_head runs;		/* until sent */
+	struct work_struct send_work;	/* send_passdowns() */
+	struct work_struct done_work;	/* passdown_done() */
 };
 
 /* Zeroing around a bio takes two ranges of its block, the rest one. */
@@ -1077,49 +1079,69 @@ static void passdown_endio(struct bio *bio)
 	struct passdown_batch *batch = bio->bi_private;
 
 	bio_put(bio);
-	queue_work(batch->pool->wq, &batch->work);
+	queue_work(batch->pool->wq, &batch->done_work);
 }
 
 /*
- * Discard @runs on the data device, all at once, without waiting
- * (dm-thin does not either), and free them.  Their blocks are the older
+ * Worker: discard a batch's runs on the data device, all at once, without
+ * waiting (dm-thin does not either), and without commit_lock, as the
+ * device may make the submission wait.  Their blocks are the older
  * generation of held blocks: no discard lands on new data.  Errors are
- * ignored, as the device may ignore a discard, and so is a lack of
- * memory.
- *
- * Return: whether a batch went out; passdown_done() runs when it is done.
+ * ignored, as the device may ignore a discard.
  */
-static bool issue_passdowns(struct pool *pool, struct list_head *runs)
+static void send_passdowns(struct work_struct *ws)
 {
+	struct passdown_batch *batch = container_of(ws, struct passdown_batch,
+						    send_work);
+	struct pool *pool = batch->pool;
 	sector_t spb = pool->sectors_per_block;
-	struct passdown_batch *batch;
 	struct passdown *pd;
 	struct bio *bio = NULL;
 	struct blk_plug plug;
-	bool issued = false;
+	bool sent;
 
-	lockdep_assert_held(&pool->commit_lock);
-	batch = kmalloc(sizeof(*batch), GFP_NOIO);
-	if (batch) {
-		blk_start_plug(&plug);
-		list_for_each_entry(pd, runs, list)
-			__blkdev_issue_discard(pool->data_dev.bdev, pd->begin * spb,
-					       (pd->end - pd->begin) * spb,
-					       GFP_NOIO, &bio);
-		if (bio) {
-			INIT_WORK(&batch->work, passdown_done);
-			batch->pool = pool;
-			bio->bi_private = batch;
-			bio->bi_end_io = passdown_endio;
-			submit_bio(bio);
-			issued = true;
-		} else {
-			kfree(batch);
-		}
-		blk_finish_plug(&plug);
+	blk_start_plug(&plug);
+	list_for_each_entry(pd, &batch->runs, list)
+		__blkdev_issue_discard(pool->data_dev.bdev, pd->begin * spb,
+				       (pd->end - pd->begin) * spb, GFP_NOIO,
+				       &bio);
+	free_runs(&batch->runs);
+	sent = bio;
+	if (sent) {
+		bio->bi_private = batch;
+		bio->bi_end_io = passdown_endio;
+		submit_bio(bio);	/* @batch may be gone from here */
 	}
-	free_runs(runs);
-	return issued;
+	blk_finish_plug(&plug);
+	if (!sent)
+		passdown_done(&batch->done_work);
+}
+
+/*
+ * Start a batch of the committed runs, for the pool's workqueue to send;
+ * without memory they are not passed down (a discard is a hint).  Caller
+ * holds commit_lock.
+ *
+ * Return: whether it started; passdown_done() runs when it is done.
+ */
+static bool start_passdown_batch(struct pool *pool)
+{
+	struct passdown_batch *batch;
+
+	if (list_empty(&pool->passdowns_next))
+		return false;
+	batch = kmalloc(sizeof(*batch), GFP_NOIO);
+	if (!batch) {
+		free_runs(&pool->passdowns_next);
+		return false;
+	}
+	batch->pool = pool;
+	INIT_LIST_HEAD(&batch->runs);
+	list_splice_init(&pool->passdowns_next, &batch->runs);
+	INIT_WORK(&batch->send_work, send_passdowns);
+	INIT_WORK(&batch->done_work, passdown_done);
+	queue_work(pool->wq, &batch->send_work);
+	return true;
 }
 
 /*
@@ -1133,8 +1155,7 @@ static void next_passdown_batch(struct pool *pool)
 
 	lockdep_assert_held(&pool->commit_lock);
 	tsp_pool_release_held_blocks(pool->pmd);
-	in_flight = !list_empty(&pool->passdowns_next) &&
-		    issue_passdowns(pool, &pool->passdowns_next);
+	in_flight = start_passdown_batch(pool);
 	pool->nr_passdowns_next = 0;
 	/* None went out: the blocks held for it need not wait. */
 	if (!in_flight)
@@ -1143,10 +1164,14 @@ static void next_passdown_batch(struct pool *pool)
 	atomic64_inc(&pool->space_gen);
 }
 
-/* Worker of a batch of passdowns that is done (passdown_endio()). */
+/*
+ * Worker of a batch of passdowns that is done (passdown_endio()), or
+ * that sent nothing.
+ */
 static void passdown_done(struct work_struct *ws)
 {
-	struct passdown_batch *batch = container_of(ws, struct passdown_batch, work);
+	struct passdown_batch *batch = container_of(ws, struct passdown_batch,
+						    done_work);
 	struct pool *pool = batch->pool;
 
 	kfree(batch);
