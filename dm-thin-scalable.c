@@ -421,7 +421,8 @@ struct worker {
 	/* Private to the work item. */
 	struct hlist_head jobs[1 << JOB_HASH_BITS];
 	/*
-	 * Jobs come from here without waiting, and the bios that find none
+	 * Jobs come from the slab, else from here, without waiting, and
+	 * go back here (which refills it first).  The bios that find none
 	 * wait in @no_job for the next pass: only this worker's jobs empty
 	 * its reserve, and the end of each of them runs a pass (as dm-thin
 	 * retries a bio that found its mapping pool empty).
@@ -2064,13 +2065,17 @@ static void provision(struct worker *w, struct thin_c *tc, struct bio *bio,
 	/*
 	 * Allocated before the block, so a failure leaks nothing.  Not
 	 * waiting for memory, which may need this worker's writes to free.
+	 * The slab first: mempool_alloc() costs more than the allocation.
 	 */
-	job = mempool_alloc(&w->job_reserve, GFP_NOWAIT);
+	job = kmem_cache_zalloc(job_cache, GFP_NOWAIT | __GFP_NOWARN);
 	if (!job) {
-		bio_list_add(&w->no_job, bio);
-		return;
+		job = mempool_alloc(&w->job_reserve, GFP_NOWAIT);
+		if (!job) {
+			bio_list_add(&w->no_job, bio);
+			return;
+		}
+		memset(job, 0, sizeof(*job));
 	}
-	memset(job, 0, sizeof(*job));
 	if (alloc_block(pool, bio, &job->mapping.data)) {
 		mempool_free(job, &w->job_reserve);
 		return;
