@@ -95,11 +95,11 @@
  *   worker->pass_lock  (mutex) held by each pass of its work item, and
  *                      taken with a trylock by provision_in_map(), which
  *                      looks at its job table
- *   worker-private     the worker's job table, flush_waiters,
- *                      issue_after_commit and no_job: only its work
- *                      item touches them (the job table also
- *                      provision_in_map(), under pass_lock), and a
- *                      work item never runs twice at once
+ *   worker-private     the worker's job table, spare_jobs,
+ *                      flush_waiters, issue_after_commit and no_job:
+ *                      only its work item touches them (the job table
+ *                      also provision_in_map(), under pass_lock), and
+ *                      a work item never runs twice at once
  *   worker->deferred   llist: pushed by anyone, emptied by the worker
  *   cpu_completions    per CPU llists: pushed by workers, emptied by the
  *                      CPU's work item
@@ -119,7 +119,6 @@
 #include <linux/rcupdate.h>
 #include <linux/percpu.h>
 #include <linux/slab.h>
-#include <linux/mempool.h>
 #include <linux/sched.h>
 #include <linux/delay.h>
 #include <linux/refcount.h>
@@ -199,7 +198,7 @@ static void bdev_ref_put(struct bdev_ref *ref)
 
 #define COMMIT_PERIOD HZ
 #define JOB_HASH_BITS 8
-#define JOB_RESERVE 64		/* jobs per worker when memory is short */
+#define JOB_SPARES 64		/* jobs a worker keeps for reuse */
 /*
  * Virtual blocks of a thin device are dealt to workers in regions of
  * this many: a region's bios and jobs all belong to one worker.
@@ -421,13 +420,16 @@ struct worker {
 	/* Private to the work item. */
 	struct hlist_head jobs[1 << JOB_HASH_BITS];
 	/*
-	 * Jobs come from the slab, else from here, without waiting, and
-	 * go back here (which refills it first).  The bios that find none
-	 * wait in @no_job for the next pass: only this worker's jobs empty
-	 * its reserve, and the end of each of them runs a pass (as dm-thin
-	 * retries a bio that found its mapping pool empty).
+	 * Up to JOB_SPARES free jobs (linked by their hash node), the
+	 * first place alloc_job() looks and the first place free_job()
+	 * puts a job back: the slab only when they run out or overflow.
+	 * The bios that find no job wait in @no_job for the next pass:
+	 * only this worker's jobs empty its spares, and the end of each of
+	 * them runs a pass (as dm-thin retries a bio that found its
+	 * mapping pool empty).
 	 */
-	mempool_t job_reserve;
+	struct hlist_head spare_jobs;
+	unsigned int nr_spare_jobs;
 	struct bio_list no_job;
 	struct bio_list flush_waiters;		/* complete after commit */
 	struct bio_list issue_after_commit;	/* issue after commit */
@@ -1395,6 +1397,67 @@ static void add_job(struct worker *w, struct job *job, struct thin_c *tc,
 }
 
 /*
+ * A zeroed job for @w: a spare, else one from the slab, without waiting
+ * for memory, which may need this worker's writes to free.  The worker
+ * takes and frees each job in its own work item, so the spares need no
+ * lock, and spares reused while they are hot in this CPU's cache are
+ * cheaper than the slab, whose frees of jobs allocated a pass earlier
+ * mostly take its slow path.  Worker only.
+ *
+ * Return: the job, or NULL.
+ */
+static struct job *alloc_job(struct worker *w)
+{
+	struct job *job;
+
+	if (hlist_empty(&w->spare_jobs))
+		return kmem_cache_zalloc(job_cache, GFP_NOWAIT | __GFP_NOWARN);
+	job = hlist_entry(w->spare_jobs.first, struct job, hash);
+	hlist_del(&job->hash);
+	w->nr_spare_jobs--;
+	memset(job, 0, sizeof(*job));
+	return job;
+}
+
+/* Give @job back to @w's spares, or to the slab if they are full. */
+static void free_job(struct worker *w, struct job *job)
+{
+	if (w->nr_spare_jobs < JOB_SPARES) {
+		hlist_add_head(&job->hash, &w->spare_jobs);
+		w->nr_spare_jobs++;
+	} else {
+		kmem_cache_free(job_cache, job);
+	}
+}
+
+/* Free @w's spare jobs, when the pool is destroyed. */
+static void free_spare_jobs(struct worker *w)
+{
+	struct hlist_node *tmp;
+	struct job *job;
+
+	hlist_for_each_entry_safe(job, tmp, &w->spare_jobs, hash)
+		kmem_cache_free(job_cache, job);
+	INIT_HLIST_HEAD(&w->spare_jobs);
+	w->nr_spare_jobs = 0;
+}
+
+/* Fill @w's spares when the pool is created.  Return: 0 or -ENOMEM. */
+static int alloc_spare_jobs(struct worker *w)
+{
+	struct job *job;
+
+	while (w->nr_spare_jobs < JOB_SPARES) {
+		job = kmem_cache_alloc(job_cache, GFP_KERNEL);
+		if (!job)
+			return -ENOMEM;
+		hlist_add_head(&job->hash, &w->spare_jobs);
+		w->nr_spare_jobs++;
+	}
+	return 0;
+}
+
+/*
  * From any context: one of the job's IOs is done.  The last one hands the
  * job to the worker, which finishes it.
  */
@@ -1745,7 +1808,7 @@ static void finish_job(struct worker *w, struct job *job, bool hand_over)
 
 	while ((bio = bio_list_pop(&job->waiting)))
 		defer_bio(pool, bio);
-	mempool_free(job, &w->job_reserve);
+	free_job(w, job);
 }
 
 /*
@@ -2062,22 +2125,14 @@ static void provision(struct worker *w, struct thin_c *tc, struct bio *bio,
 	struct dm_io_region to, from;
 	struct job *job;
 
-	/*
-	 * Allocated before the block, so a failure leaks nothing.  Not
-	 * waiting for memory, which may need this worker's writes to free.
-	 * The slab first: mempool_alloc() costs more than the allocation.
-	 */
-	job = kmem_cache_zalloc(job_cache, GFP_NOWAIT | __GFP_NOWARN);
+	/* Allocated before the block, so a failure leaks nothing. */
+	job = alloc_job(w);
 	if (!job) {
-		job = mempool_alloc(&w->job_reserve, GFP_NOWAIT);
-		if (!job) {
-			bio_list_add(&w->no_job, bio);
-			return;
-		}
-		memset(job, 0, sizeof(*job));
+		bio_list_add(&w->no_job, bio);
+		return;
 	}
 	if (alloc_block(pool, bio, &job->mapping.data)) {
-		mempool_free(job, &w->job_reserve);
+		free_job(w, job);
 		return;
 	}
 	add_job(w, job, tc, virt, bio);
@@ -2507,7 +2562,7 @@ static void pool_destroy(struct pool *pool)
 	if (pool->workers) {
 		for (i = 0; i < pool->nr_workers; i++) {
 			free_cpumask_var(pool->workers[i].completions_to_kick);
-			mempool_exit(&pool->workers[i].job_reserve);
+			free_spare_jobs(&pool->workers[i]);
 		}
 	}
 	kfree(pool->workers);
@@ -2526,6 +2581,7 @@ static void init_worker(struct worker *w, struct pool *pool)
 	spin_lock_init(&w->lock);
 	INIT_LIST_HEAD(&w->completed_jobs);
 	mutex_init(&w->pass_lock);
+	INIT_HLIST_HEAD(&w->spare_jobs);
 	bio_list_init(&w->flush_waiters);
 	bio_list_init(&w->issue_after_commit);
 	bio_list_init(&w->no_job);
@@ -2615,8 +2671,7 @@ static struct pool *pool_create(struct mapped_device *pool_md,
 		init_worker(&pool->workers[i], pool);
 		if (!zalloc_cpumask_var(&pool->workers[i].completions_to_kick,
 					GFP_KERNEL) ||
-		    mempool_init_slab_pool(&pool->workers[i].job_reserve,
-					   JOB_RESERVE, job_cache)) {
+		    alloc_spare_jobs(&pool->workers[i])) {
 			*error = "Error allocating the pool's workers";
 			goto bad;
 		}
