@@ -1400,9 +1400,9 @@ static void add_job(struct worker *w, struct job *job, struct thin_c *tc,
  * A zeroed job for @w: a spare, else one from the slab, without waiting
  * for memory, which may need this worker's writes to free.  The worker
  * takes and frees each job in its own work item, so the spares need no
- * lock, and spares reused while they are hot in this CPU's cache are
- * cheaper than the slab, whose frees of jobs allocated a pass earlier
- * mostly take its slow path.  Worker only.
+ * lock, and the last one freed is the first reused: cheaper than the
+ * slab, whose frees of jobs allocated a pass earlier mostly take its
+ * slow path.  Worker only.
  *
  * Return: the job, or NULL.
  */
