@@ -507,11 +507,6 @@ void tsp_bm_set_read_write(struct tsp_block_manager *bm)
 	bm->read_only = false;
 }
 
-bool tsp_bm_is_read_only(struct tsp_block_manager *bm)
-{
-	return bm->read_only;
-}
-
 tsp_block_t tsp_block_location(struct tsp_block *b)
 {
 	return dm_bufio_get_block_number(to_buffer(b));

@@ -81,7 +81,6 @@ int __must_check tsp_bm_flush(struct tsp_block_manager *bm);
 void tsp_bm_forget(struct tsp_block_manager *bm, tsp_block_t b);
 void tsp_bm_set_read_only(struct tsp_block_manager *bm);
 void tsp_bm_set_read_write(struct tsp_block_manager *bm);
-bool tsp_bm_is_read_only(struct tsp_block_manager *bm);
 
 tsp_block_t tsp_block_location(struct tsp_block *b);
 void *tsp_block_data(struct tsp_block *b);
