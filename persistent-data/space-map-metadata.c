@@ -456,17 +456,14 @@ static int relocate(struct tsp_metadata_sm *sm, struct tsp_tm *tm,
 	return 0;
 }
 
-/**
- * tsp_msm_index_entry - the index entry of bitmap @i, as a commit writes it
- * @sm: space map
- * @i: bitmap, below the number of bitmaps
- * @ie: out
- *
- * The free count and first free entry are counted again only if a count
- * in the bitmap went from or to zero since they were last counted.
+/*
+ * The index entry of bitmap @i (below the number of bitmaps), as a commit
+ * writes it, in @ie.  The free count and first free entry are counted
+ * again only if a count in the bitmap went from or to zero since they
+ * were last counted.
  */
-void tsp_msm_index_entry(struct tsp_metadata_sm *sm, u32 i,
-			 struct tsp_index_entry *ie)
+static void index_entry(struct tsp_metadata_sm *sm, u32 i,
+			struct tsp_index_entry *ie)
 {
 	struct tsp_index_entry *e = &sm->entries[i];
 	u32 j, nr = bitmap_entries(sm, i);
@@ -491,7 +488,7 @@ static void pack_index_entry(struct tsp_metadata_sm *sm, u32 i,
 {
 	struct tsp_index_entry ie;
 
-	tsp_msm_index_entry(sm, i, &ie);
+	index_entry(sm, i, &ie);
 	tsp_index_entry_pack(&ie, disk);
 }
 

@@ -37,10 +37,6 @@ unsigned int tsp_msm_peek_new_blocks(struct tsp_metadata_sm *sm,
 void tsp_msm_take(struct tsp_metadata_sm *sm, tsp_block_t b);
 int __must_check tsp_msm_extend(struct tsp_metadata_sm *sm, tsp_block_t nr_blocks);
 
-struct tsp_index_entry;
-void tsp_msm_index_entry(struct tsp_metadata_sm *sm, u32 i,
-			 struct tsp_index_entry *ie);
-
 /* Write the counts out through @tm; fills the TSP_SM_ROOT_SIZE root. */
 int __must_check tsp_msm_commit(struct tsp_metadata_sm *sm, struct tsp_tm *tm,
 				void *root);
