@@ -1438,8 +1438,6 @@ static void free_spare_jobs(struct worker *w)
 
 	hlist_for_each_entry_safe(job, tmp, &w->spare_jobs, hash)
 		kmem_cache_free(job_cache, job);
-	INIT_HLIST_HEAD(&w->spare_jobs);
-	w->nr_spare_jobs = 0;
 }
 
 /* Fill @w's spares when the pool is created.  Return: 0 or -ENOMEM. */
