@@ -33,20 +33,21 @@
  *   clear       on abort, and whenever an update fails (the in-core
  *               metadata is then in doubt until the abort)
  *
- * A device's snapshotted_time is read by the map path without the lock,
- * so it is written with WRITE_ONCE() once the device is visible.
+ * A device's snapshotted_time and mapped_end (struct tsp_thin_fast) are
+ * read by the map path without the lock, so they are written with
+ * WRITE_ONCE() once the device is visible.
  *
  * Locking: @root_lock, a rw_semaphore, protects everything in struct
  * tsp_pool_metadata and struct tsp_thin_device, except that @cache is
  * also read under RCU (swapped with rcu_assign_pointer() under the lock
- * held for writing, freed after a grace period) and snapshotted_time is
- * also read with READ_ONCE().  Public functions take it (shared for
- * lookups, exclusive for updates) and call a __name() helper that asserts
- * it is held.  A provision leaves its device's btree cursor kept, its
- * leaf write locked till the next provision (readers may share it):
- * anything else that takes @root_lock for writing parks it first
- * (lock_for_update()).  Every function may sleep, except
- * tsp_thin_find_block_fast(), which takes no lock.
+ * held for writing, freed after a grace period) and a device's struct
+ * tsp_thin_fast is also read with READ_ONCE().  Public functions take
+ * it (shared for lookups, exclusive for updates) and call a __name()
+ * helper that asserts it is held.  A provision leaves its device's
+ * btree cursor kept, its leaf write locked till the next provision
+ * (readers may share it): anything else that takes @root_lock for
+ * writing parks it first (lock_for_update()).  Every function may
+ * sleep, except tsp_thin_find_block_fast(), which takes no lock.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 
@@ -63,7 +64,7 @@
 #define THIN_METADATA_CACHE_BLOCKS 64
 #define THIN_NEEDS_CHECK_FLAG 1
 #define TIME_BITS 24
-#define NO_MAPPED_END U64_MAX	/* tsp_thin_device.mapped_end unknown */
+#define NO_MAPPED_END U64_MAX	/* tsp_thin_fast.mapped_end unknown */
 
 struct thin_disk_superblock {
 	__le32 csum;
@@ -140,14 +141,14 @@ struct tsp_pool_metadata {
 struct tsp_thin_device {
 	struct tsp_thin_device *next;
 	struct tsp_pool_metadata *pmd;
-	tsp_thin_id id;
+	/* What the map path's lookup reads without the lock. */
+	struct tsp_thin_fast fast;
 	int open_count;
 	bool changed;
 	bool aborted_with_changes;	/* until its last opener closes it */
 	u64 mapped_blocks;
 	u64 transaction_id;
 	u32 creation_time;
-	u32 snapshotted_time;	/* also read locklessly: WRITE_ONCE() */
 
 	/*
 	 * The device's mapping tree root as the top-level tree holds it,
@@ -168,17 +169,6 @@ struct tsp_thin_device {
 	 * __device_root_for_update() releases it for any other change.
 	 */
 	struct tsp_btree_cursor cursor;
-
-	/*
-	 * No virtual block at or past @mapped_end is mapped: inserts raise
-	 * it, removals leave it (an upper bound, not the highest mapping);
-	 * NO_MAPPED_END when unknown.  Read from the tree when the device
-	 * comes into core and on abort.  A lookup past it needs no walk: a
-	 * device filled in ascending order finds each new block unmapped
-	 * for free.  Written under @root_lock; the fast lookup reads it
-	 * without (a stale value only costs it a miss).
-	 */
-	tsp_block_t mapped_end;
 };
 
 /*----------------------------------------------------------------
@@ -586,9 +576,9 @@ static int write_changed_details(struct tsp_pool_metadata *pmd)
 		disk.mapped_blocks = cpu_to_le64(td->mapped_blocks);
 		disk.transaction_id = cpu_to_le64(td->transaction_id);
 		disk.creation_time = cpu_to_le32(td->creation_time);
-		disk.snapshotted_time = cpu_to_le32(td->snapshotted_time);
+		disk.snapshotted_time = cpu_to_le32(td->fast.snapshotted_time);
 		r = tsp_btree_insert(&pmd->details_info, pmd->details_root,
-				     td->id, &disk, &pmd->details_root, NULL);
+				     td->fast.id, &disk, &pmd->details_root, NULL);
 		if (r)
 			return r;
 	}
@@ -765,8 +755,9 @@ static tsp_block_t mapped_end_past(tsp_block_t virt)
 }
 
 /*
- * Set @td->mapped_end from its mapping tree: one past its highest key.
- * Unknown if the tree cannot be read: its lookups then fail themselves.
+ * Set @td->fast.mapped_end from its mapping tree: one past its highest
+ * key.  Unknown if the tree cannot be read: its lookups then fail
+ * themselves.
  */
 static void __read_mapped_end(struct tsp_thin_device *td)
 {
@@ -779,11 +770,11 @@ static void __read_mapped_end(struct tsp_thin_device *td)
 	if (!r)
 		r = tsp_btree_find_highest_key(&pmd->bl_info, root, &key);
 	if (r == -ENODATA)
-		WRITE_ONCE(td->mapped_end, 0);
+		WRITE_ONCE(td->fast.mapped_end, 0);
 	else if (r)
-		WRITE_ONCE(td->mapped_end, NO_MAPPED_END);
+		WRITE_ONCE(td->fast.mapped_end, NO_MAPPED_END);
 	else
-		WRITE_ONCE(td->mapped_end, mapped_end_past(key));
+		WRITE_ONCE(td->fast.mapped_end, mapped_end_past(key));
 }
 
 /* tsp_pool_abort_metadata(), with @root_lock held for writing. */
@@ -829,7 +820,7 @@ static int __abort(struct tsp_pool_metadata *pmd)
 		td->changed = false;
 		memset(&d, 0, sizeof(d));
 		r = tsp_btree_lookup(&pmd->details_info, pmd->details_root,
-				     td->id, &disk);
+				     td->fast.id, &disk);
 		if (!r)
 			details_unpack(&disk, &d);
 		else if (r != -ENODATA)
@@ -837,10 +828,10 @@ static int __abort(struct tsp_pool_metadata *pmd)
 		td->mapped_blocks = d.mapped_blocks;
 		td->transaction_id = d.transaction_id;
 		td->creation_time = d.creation_time;
-		WRITE_ONCE(td->snapshotted_time, d.snapshotted_time);
+		WRITE_ONCE(td->fast.snapshotted_time, d.snapshotted_time);
 		if (r == -ENODATA)
 			/* Its creation was aborted: lookups must find it gone. */
-			WRITE_ONCE(td->mapped_end, NO_MAPPED_END);
+			WRITE_ONCE(td->fast.mapped_end, NO_MAPPED_END);
 		else
 			__read_mapped_end(td);
 		link = &td->next;
@@ -952,7 +943,7 @@ int tsp_pool_metadata_close(struct tsp_pool_metadata *pmd)
 		if (td->open_count) {
 			up_write(&pmd->root_lock);
 			DMERR("cannot close metadata: thin device %llu is open",
-			      (unsigned long long)td->id);
+			      (unsigned long long)td->fast.id);
 			return -EBUSY;
 		}
 	}
@@ -984,7 +975,7 @@ static struct tsp_thin_device *find_open(struct tsp_pool_metadata *pmd,
 	struct tsp_thin_device *td;
 
 	for (td = pmd->devices; td; td = td->next)
-		if (td->id == dev)
+		if (td->fast.id == dev)
 			return td;
 	return NULL;
 }
@@ -1014,13 +1005,14 @@ static int __open_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	if (!td)
 		return -ENOMEM;
 	td->pmd = pmd;
-	td->id = dev;
+	td->fast.cache = &pmd->cache;
+	td->fast.id = dev;
 	td->cursor = TSP_BTREE_CURSOR(&pmd->bl_info);
 	td->open_count = 1;
 	td->mapped_blocks = d.mapped_blocks;
 	td->transaction_id = d.transaction_id;
 	td->creation_time = d.creation_time;
-	td->snapshotted_time = d.snapshotted_time;
+	td->fast.snapshotted_time = d.snapshotted_time;
 	__read_mapped_end(td);
 	td->next = pmd->devices;
 	pmd->devices = td;
@@ -1076,14 +1068,15 @@ static int __add_device(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 	if (!td)
 		return -ENOMEM;
 	td->pmd = pmd;
-	td->id = dev;
+	td->fast.cache = &pmd->cache;
+	td->fast.id = dev;
 	td->cursor = TSP_BTREE_CURSOR(&pmd->bl_info);
 	td->changed = true;
 	td->mapped_blocks = d->mapped_blocks;
 	td->transaction_id = d->transaction_id;
 	td->creation_time = d->creation_time;
-	td->snapshotted_time = d->snapshotted_time;
-	td->mapped_end = mapped_end;
+	td->fast.snapshotted_time = d->snapshotted_time;
+	td->fast.mapped_end = mapped_end;
 	td->next = pmd->devices;
 	pmd->devices = td;
 	return 0;
@@ -1179,13 +1172,13 @@ static int __create_snap(struct tsp_pool_metadata *pmd, tsp_thin_id dev,
 
 	pmd->time++;
 	/* Every cached mapping of the origin is now seen as shared. */
-	WRITE_ONCE(otd->snapshotted_time, pmd->time);
+	WRITE_ONCE(otd->fast.snapshotted_time, pmd->time);
 	otd->changed = true;
 	d.mapped_blocks = otd->mapped_blocks;
 	d.transaction_id = pmd->trans_id;
 	d.creation_time = pmd->time;
 	d.snapshotted_time = pmd->time;
-	r = __add_device(pmd, dev, origin_root, &d, otd->mapped_end);
+	r = __add_device(pmd, dev, origin_root, &d, otd->fast.mapped_end);
 out:
 	__close_device(otd);
 	return r;
@@ -1402,7 +1395,7 @@ void tsp_pool_close_thin_device(struct tsp_thin_device *td)
 
 tsp_thin_id tsp_thin_dev_id(struct tsp_thin_device *td)
 {
-	return td->id;
+	return td->fast.id;
 }
 
 /* @td's remembered root, if it is still valid. */
@@ -1423,11 +1416,11 @@ static int __device_root(struct tsp_thin_device *td, tsp_block_t *root)
 
 	if (__cached_root(td, root))
 		return 0;
-	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, td->id, &value);
+	r = tsp_btree_lookup(&pmd->tl_info, pmd->root, td->fast.id, &value);
 	if (r == -ENODATA) {
 		/* Deleted, or its creation was aborted, while open. */
 		DMERR("thin device %llu no longer exists",
-		      (unsigned long long)td->id);
+		      (unsigned long long)td->fast.id);
 		return -ENODEV;
 	}
 	if (!r)
@@ -1463,7 +1456,7 @@ static int __device_root_for_update(struct tsp_thin_device *td,
 	if (r)
 		return r;
 	value = cpu_to_le64(*root);
-	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
+	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->fast.id, &value,
 			     &pmd->root, NULL);
 	if (r)
 		return r;
@@ -1482,7 +1475,7 @@ static int __set_device_root(struct tsp_thin_device *td, tsp_block_t old,
 
 	if (root == old)
 		return 0;
-	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->id, &value,
+	r = tsp_btree_insert(&pmd->tl_set_info, pmd->root, td->fast.id, &value,
 			     &pmd->root, NULL);
 	if (!r)
 		td->root = root;
@@ -1502,7 +1495,7 @@ static int __unpack_mapping_for_io(struct tsp_thin_device *td, tsp_block_t virt,
 	unpack_mapping(le64_to_cpu(value), data, time);
 	if (*data >= nr_blocks) {
 		DMERR_LIMIT("thin device %llu: block %llu maps to data block %llu, of %llu",
-			    (unsigned long long)td->id, (unsigned long long)virt,
+			    (unsigned long long)td->fast.id, (unsigned long long)virt,
 			    (unsigned long long)*data, (unsigned long long)nr_blocks);
 		return -EILSEQ;
 	}
@@ -1521,7 +1514,7 @@ static int __find_block(struct tsp_thin_device *td, tsp_block_t virt,
 		r = __unpack_mapping_for_io(td, virt, value, &result->block, time);
 	if (r)
 		return r;
-	result->shared = td->snapshotted_time > *time;
+	result->shared = td->fast.snapshotted_time > *time;
 	return 0;
 }
 
@@ -1536,13 +1529,13 @@ static int __lookup_block(struct tsp_thin_device *td, tsp_block_t virt,
 	u32 time;
 	int r;
 
-	if (virt >= td->mapped_end && td->mapped_end != NO_MAPPED_END)
+	if (virt >= td->fast.mapped_end && td->fast.mapped_end != NO_MAPPED_END)
 		return -ENODATA;
 	r = __device_root(td, &root);
 	if (!r)
 		r = __find_block(td, virt, root, result, &time);
 	if (!r)
-		tsp_mc_insert(__cache(td->pmd), td->id, virt, result->block, time);
+		tsp_mc_insert(__cache(td->pmd), td->fast.id, virt, result->block, time);
 	return r;
 }
 
@@ -1570,29 +1563,17 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 }
 
 /**
- * tsp_thin_find_block_fast - where a virtual block is mapped, from the cache
- * @td: thin device (open; not closed while this runs)
- * @virt: virtual block
- * @result: out
+ * tsp_thin_fast - what the map path's lookup of @td reads
+ * @td: an open thin device
  *
- * See dm-thin-metadata.h for what a hit promises.  Context: map path:
- * inside the caller's rcu_read_lock(); never sleeps, takes no lock (not
- * @root_lock either).
+ * Context: any.
  *
- * Return: 0 on a hit, -EWOULDBLOCK on a miss.
+ * Return: the part of @td that tsp_thin_find_block_fast() reads, valid
+ * until @td is closed.
  */
-int tsp_thin_find_block_fast(struct tsp_thin_device *td, tsp_block_t virt,
-			     struct tsp_thin_lookup_result *result)
+const struct tsp_thin_fast *tsp_thin_fast(struct tsp_thin_device *td)
 {
-	struct tsp_mc_mapping m;
-
-	/* Nothing is mapped there: spare the cache a lookup bound to miss. */
-	if (virt >= READ_ONCE(td->mapped_end) ||
-	    !tsp_mc_lookup(rcu_dereference(td->pmd->cache), td->id, virt, &m))
-		return -EWOULDBLOCK;
-	result->block = m.block;
-	result->shared = READ_ONCE(td->snapshotted_time) > m.time;
-	return 0;
+	return &td->fast;
 }
 
 /**
@@ -1667,15 +1648,15 @@ int tsp_thin_find_mapped_range(struct tsp_thin_device *td, tsp_block_t begin,
 		goto out;
 
 	*thin_begin = key;
-	*maybe_shared = td->snapshotted_time > time;
-	tsp_mc_insert(__cache(pmd), td->id, key, *pool_begin, time);
+	*maybe_shared = td->fast.snapshotted_time > time;
+	tsp_mc_insert(__cache(pmd), td->fast.id, key, *pool_begin, time);
 	for (b = key + 1; b < end; b++) {
 		r = __find_block(td, b, root, &lookup, &time);
 		if (r == -ENODATA)
 			break;
 		if (r)
 			goto out;
-		tsp_mc_insert(__cache(pmd), td->id, b, lookup.block, time);
+		tsp_mc_insert(__cache(pmd), td->fast.id, b, lookup.block, time);
 		if (lookup.block != *pool_begin + (b - key) ||
 		    lookup.shared != *maybe_shared)
 			break;
@@ -1783,11 +1764,12 @@ static int __insert_block(struct tsp_thin_device *td, tsp_block_t virt,
 	if (r)
 		return r;
 
-	tsp_mc_insert(__cache(pmd), td->id, virt, data, time);
+	tsp_mc_insert(__cache(pmd), td->fast.id, virt, data, time);
 	td->changed = true;
 	if (inserted)
 		td->mapped_blocks++;
-	WRITE_ONCE(td->mapped_end, max(td->mapped_end, mapped_end_past(virt)));
+	WRITE_ONCE(td->fast.mapped_end,
+		   max(td->fast.mapped_end, mapped_end_past(virt)));
 	return 0;
 }
 
@@ -2024,7 +2006,7 @@ static int __remove_range(struct tsp_thin_device *td, tsp_block_t begin,
 		r = __set_device_root(td, old, root);
 	/* Nothing was mapped, so nothing was cached, unless it failed. */
 	if (r || nr)
-		tsp_mc_invalidate_range(__cache(td->pmd), td->id, begin, end);
+		tsp_mc_invalidate_range(__cache(td->pmd), td->fast.id, begin, end);
 	if (r)
 		return r;
 	if (nr) {
@@ -2047,7 +2029,7 @@ int tsp_thin_remove_block(struct tsp_thin_device *td, tsp_block_t virt)
 		r = tsp_btree_remove(&pmd->bl_info, old, virt, &root);
 	if (!r)
 		r = __set_device_root(td, old, root);
-	tsp_mc_invalidate(__cache(pmd), td->id, virt);
+	tsp_mc_invalidate(__cache(pmd), td->fast.id, virt);
 	if (!r) {
 		if (td->mapped_blocks)
 			td->mapped_blocks--;
@@ -2391,7 +2373,7 @@ int tsp_thin_restore_block(struct tsp_thin_device *td, tsp_block_t virt,
 		r = tsp_btree_lookup(&pmd->bl_info, root, virt, NULL);
 		if (!r) {
 			DMERR("virtual block %llu of device %llu is mapped twice",
-			      (unsigned long long)virt, (unsigned long long)td->id);
+			      (unsigned long long)virt, (unsigned long long)td->fast.id);
 			r = -EEXIST;
 			goto out;
 		}

@@ -168,24 +168,61 @@ int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
  */
 
 /**
+ * struct tsp_thin_fast - what tsp_thin_find_block_fast() reads of an open
+ *	thin device, without any lock
+ * @cache: the pool's mapping cache (RCU: replaced when its budget changes)
+ * @id: the device's id
+ * @snapshotted_time: the time of the device's last snapshot
+ * @mapped_end: no virtual block at or past it is mapped: inserts raise
+ *	it, removals leave it (an upper bound, not the highest mapping);
+ *	U64_MAX when unknown.  Read from the tree when the device comes
+ *	into core and on abort.  A lookup past it needs no walk: a device
+ *	filled in ascending order finds each new block unmapped for free.
+ *
+ * Part of struct tsp_thin_device and written only by dm-thin-metadata.c,
+ * under the metadata lock (with WRITE_ONCE() for @snapshotted_time and
+ * @mapped_end); public only so that the map path's lookup can be inline.
+ * A stale @mapped_end costs a lookup a miss, nothing more.
+ */
+struct tsp_thin_fast {
+	struct tsp_mapping_cache __rcu **cache;
+	tsp_thin_id id;
+	u32 snapshotted_time;
+	tsp_block_t mapped_end;
+};
+
+const struct tsp_thin_fast *tsp_thin_fast(struct tsp_thin_device *td);
+
+/**
  * tsp_thin_find_block_fast - where a virtual block is mapped, if cached
- * @td: an open thin device; the caller keeps it open until this returns
+ * @td: tsp_thin_fast() of an open thin device; the caller keeps the
+ *	device open until this returns
  * @virt: virtual block
  * @result: out, as tsp_thin_find_block() would give it: @shared is the
- *	device's snapshotted_time (read with READ_ONCE()) > the mapping's
- *	time
+ *	device's snapshotted_time > the mapping's time
  *
  * Context: map path, inside the caller's rcu_read_lock().  Never sleeps;
  * takes no lock (not the metadata lock either) and does no atomic
- * read-modify-write.
+ * read-modify-write.  Inline: the map path calls it for every IO.
  *
  * Return: 0 on a hit, or -EWOULDBLOCK on a miss (not cached, or not
  * mapped at all: the caller defers to a worker that calls
  * tsp_thin_find_block()).  A failed pool's cache is empty, so it misses.
  */
-int __must_check tsp_thin_find_block_fast(struct tsp_thin_device *td,
-					  tsp_block_t virt,
-					  struct tsp_thin_lookup_result *result);
+static __always_inline int __must_check
+tsp_thin_find_block_fast(const struct tsp_thin_fast *td, tsp_block_t virt,
+			 struct tsp_thin_lookup_result *result)
+{
+	struct tsp_mc_mapping m;
+
+	/* Nothing is mapped there: spare the cache a lookup bound to miss. */
+	if (virt >= READ_ONCE(td->mapped_end) ||
+	    !tsp_mc_lookup(rcu_dereference(*td->cache), td->id, virt, &m))
+		return -EWOULDBLOCK;
+	result->block = m.block;
+	result->shared = READ_ONCE(td->snapshotted_time) > m.time;
+	return 0;
+}
 
 /* The mapping cache's counters; returns 0.  May sleep. */
 int tsp_pool_cache_stats(struct tsp_pool_metadata *pmd,

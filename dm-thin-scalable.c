@@ -469,6 +469,7 @@ struct thin_c {
 	struct dm_dev *pool_dev;
 	tsp_thin_id dev_id;
 	struct tsp_thin_device *td;
+	const struct tsp_thin_fast *td_fast;	/* tsp_thin_fast(td) */
 
 	/*
 	 * External origin: a read-only device that unprovisioned blocks
@@ -585,7 +586,8 @@ static sector_t block_offset(struct pool *pool, sector_t s)
 	return sector_div(s, pool->sectors_per_block);
 }
 
-static void remap(struct pool *pool, struct bio *bio, tsp_block_t data_block)
+static inline void remap(struct pool *pool, struct bio *bio,
+			 tsp_block_t data_block)
 {
 	sector_t offset = block_offset(pool, bio->bi_iter.bi_sector);
 
@@ -3659,6 +3661,7 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		ti->error = "Couldn't open thin internal device";
 		goto bad_pool;
 	}
+	tc->td_fast = tsp_thin_fast(tc->td);
 
 	spin_lock_irq(&tc->pool->lock);
 	if (tc->pool->suspended) {
@@ -3712,12 +3715,13 @@ static void cut_bio_at(struct pool *pool, struct bio *bio, tsp_block_t end)
  * Return: 0 if @virt maps to *@data_block for @bio; -EEXIST if it is
  * mapped but shared and @bio is a write; -EWOULDBLOCK if not cached.
  */
-static int find_block_fast(struct thin_c *tc, struct bio *bio,
-			   tsp_block_t virt, tsp_block_t *data_block)
+static __always_inline int find_block_fast(struct thin_c *tc,
+					   struct bio *bio, tsp_block_t virt,
+					   tsp_block_t *data_block)
 {
 	struct tsp_thin_lookup_result result;
 
-	if (tsp_thin_find_block_fast(tc->td, virt, &result))
+	if (tsp_thin_find_block_fast(tc->td_fast, virt, &result))
 		return -EWOULDBLOCK;
 	if (bio_data_dir(bio) == WRITE && result.shared)
 		return -EEXIST;
@@ -3778,8 +3782,8 @@ static int map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
  *
  * Return: true if @bio was remapped to its new block.
  */
-static bool provision_in_map(struct thin_c *tc, struct bio *bio,
-			     struct thin_bio *tb)
+static noinline bool provision_in_map(struct thin_c *tc, struct bio *bio,
+				      struct thin_bio *tb)
 {
 	struct pool *pool = tc->pool;
 	tsp_block_t virt = bio_block(pool, bio), data;

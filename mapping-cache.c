@@ -10,19 +10,21 @@
  * Layout: per shard, a set-associative hash table.
  *
  *   tables[]   per shard, an RCU pointer to its table: an array of
- *              buckets, each one cache line with room for MC_WAYS
+ *              buckets, each one cache line with room for TSP_MC_WAYS
  *              mappings and a sequence count
  *   shards[]   per shard: spinlock and counters; touched by writers only,
  *              so lookups never share their cache lines
  *   stats      per-CPU hit and miss counters, written by lookups
  *
  *       key   = dev << 40 | virt
- *       group = key >> MC_GROUP_BITS   (2^MC_GROUP_BITS neighbouring blocks)
+ *       group = key >> TSP_MC_GROUP_BITS
+ *               (2^TSP_MC_GROUP_BITS neighbouring blocks)
  *
- *       group * MC_HASH_MULT1 = | shard bits | first bucket bits  | ... |
- *       group * MC_HASH_MULT2 = | second bucket bits |   ...unused...   |
+ *       group * MULT1 = | shard bits | first bucket bits  | ... |
+ *       group * MULT2 = | second bucket bits |   ...unused...   |
+ *       (MULT1 and MULT2: TSP_MC_HASH_MULT1 and TSP_MC_HASH_MULT2)
  *
- *       bucket index = hash bits ^ (key % 2^MC_GROUP_BITS)
+ *       bucket index = hash bits ^ (key % 2^TSP_MC_GROUP_BITS)
  *
  * A mapping lives in one of its key's two buckets in its shard's table,
  * the first one while that has room: a lookup reads one line of mappings,
@@ -75,7 +77,7 @@
  * rather than once per lookup.
  *
  * Budget: a bucket costs its cache line (two under lockdep, whose
- * seqcount_t is larger), so max_entries = MC_WAYS per bucket of the
+ * seqcount_t is larger), so max_entries = TSP_MC_WAYS per bucket of the
  * largest tables the budget allows.  The shard and per-CPU
  * structs are not counted.  A budget too small for a bucket gives a cache
  * that never caches.
@@ -104,53 +106,16 @@
 
 #include "mapping-cache.h"
 
-#define MC_WAYS 3			/* mappings a bucket holds */
 #define MC_MIN_SHARDS 64
 #define MC_MIN_SHARD_BUCKETS 4
 #define MC_MIN_TABLE_BITS 2
 #define MC_MAX_TABLE_BITS 14		/* 1 MiB of buckets per shard */
 #define MC_GROW_BITS 2
-#define MC_GROUP_BITS 6			/* 64 buckets: a 4 KiB page of them */
 /* Invalidate a range key by key when it is at most this long. */
 #define MC_RANGE_BY_KEY 16
-#define MC_VIRT_BITS 40
-#define MC_TIME_BITS 24
-#define MC_HASH_MULT1 0x9e3779b97f4a7c15ULL	/* 2^64 / golden ratio */
-#define MC_HASH_MULT2 0xc2b2ae3d27d4eb4fULL	/* odd, bits well mixed */
 
 /**
- * struct mc_bucket - room for MC_WAYS mappings, one cache line
- * @seq: odd while a writer changes @used, @key or @val
- * @used: bit i set: way i holds a mapping
- * @hand: the way CLOCK looks at first (writers only)
- * @referenced: per way, CLOCK's bit: set by lookups, cleared by the hand
- * @key: per way, dev << MC_VIRT_BITS | virt
- * @val: per way, block << MC_TIME_BITS | time
- */
-struct mc_bucket {
-	seqcount_t seq;
-	u8 used;
-	u8 hand;
-	u8 referenced[MC_WAYS];
-	u64 key[MC_WAYS];
-	u64 val[MC_WAYS];
-} ____cacheline_aligned;
-
-/**
- * struct mc_table - one shard's hash table
- * @bits: log2 of the number of buckets
- * @buckets: the buckets (a separate allocation, so that its size is a
- *	power of two and kmalloc aligns it to a cache line)
- * @rcu: for freeing it once replaced
- */
-struct mc_table {
-	unsigned int bits;
-	struct mc_bucket *buckets;
-	struct rcu_head rcu;
-};
-
-/**
- * struct mc_shard - what the writers of one shard share
+ * struct tsp_mc_shard - what the writers of one shard share
  * @lock: protects everything here, the shard's table pointer and buckets
  * @nr: mappings in the shard
  * @max_bits: the largest table the shard may grow to
@@ -158,7 +123,7 @@ struct mc_table {
  *	allocation)
  * @evictions: mappings CLOCK dropped
  */
-struct mc_shard {
+struct tsp_mc_shard {
 	spinlock_t lock;
 	unsigned int nr;
 	unsigned int max_bits;
@@ -166,82 +131,24 @@ struct mc_shard {
 	u64 evictions;
 } ____cacheline_aligned_in_smp;
 
-struct mc_cpu_stats {
-	u64 hits;
-	u64 misses;
-};
-
-struct tsp_mapping_cache {
-	/* Set at create, read by everybody. */
-	unsigned int shard_bits;	/* log2 of nr_shards */
-	unsigned int nr_shards;
-	u64 max_entries;
-	struct mc_cpu_stats __percpu *stats;
-	struct mc_table __rcu **tables;	/* per shard */
-	struct mc_shard *shards;
-};
-
-/* The key of (@dev, @virt); false if it cannot be cached. */
-static bool mc_key(u64 dev, u64 virt, u64 *key)
-{
-	if (dev >> (64 - MC_VIRT_BITS) || virt >> MC_VIRT_BITS)
-		return false;
-	*key = dev << MC_VIRT_BITS | virt;
-	return true;
-}
-
 /* The value of (@block, @time); false if it cannot be cached. */
 static bool mc_value(u64 block, u32 time, u64 *val)
 {
-	if (block >> (64 - MC_TIME_BITS) || time >> MC_TIME_BITS)
+	if (block >> (64 - TSP_MC_TIME_BITS) || time >> TSP_MC_TIME_BITS)
 		return false;
-	*val = block << MC_TIME_BITS | time;
+	*val = block << TSP_MC_TIME_BITS | time;
 	return true;
 }
 
-static unsigned int mc_shard_index(const struct tsp_mapping_cache *mc, u64 key)
+static struct tsp_mc_table *mc_table_alloc(unsigned int bits, gfp_t gfp)
 {
-	u64 h = (key >> MC_GROUP_BITS) * MC_HASH_MULT1;
-
-	return mc->shard_bits ? h >> (64 - mc->shard_bits) : 0;
-}
-
-/* @key's first (@second false) or second bucket in @t. */
-static struct mc_bucket *mc_bucket(const struct tsp_mapping_cache *mc,
-				   struct mc_table *t, u64 key, bool second)
-{
-	u64 group = key >> MC_GROUP_BITS;
-	u64 h = second ? group * MC_HASH_MULT2 :
-			 (group * MC_HASH_MULT1) << mc->shard_bits;
-	unsigned int index = t->bits ? h >> (64 - t->bits) : 0;
-
-	index ^= key & ((1U << MC_GROUP_BITS) - 1);
-	return &t->buckets[index & ((1U << t->bits) - 1)];
-}
-
-/*
- * The way of @b that holds @key, or -1.  A lookup calls it inside @b's
- * sequence count, a writer under the shard lock.
- */
-static int mc_find_way(const struct mc_bucket *b, u64 key)
-{
-	unsigned int used = READ_ONCE(b->used), i;
-
-	for (i = 0; i < MC_WAYS; i++)
-		if ((used & (1U << i)) && READ_ONCE(b->key[i]) == key)
-			return i;
-	return -1;
-}
-
-static struct mc_table *mc_table_alloc(unsigned int bits, gfp_t gfp)
-{
-	struct mc_table *t = kmalloc(sizeof(*t), gfp);
+	struct tsp_mc_table *t = kmalloc(sizeof(*t), gfp);
 	unsigned int i;
 
 	if (!t)
 		return NULL;
 	t->bits = bits;
-	t->buckets = kcalloc(1U << bits, sizeof(struct mc_bucket), gfp);
+	t->buckets = kcalloc(1U << bits, sizeof(struct tsp_mc_bucket), gfp);
 	if (!t->buckets) {
 		kfree(t);
 		return NULL;
@@ -251,7 +158,7 @@ static struct mc_table *mc_table_alloc(unsigned int bits, gfp_t gfp)
 	return t;
 }
 
-static void mc_table_free(struct mc_table *t)
+static void mc_table_free(struct tsp_mc_table *t)
 {
 	kfree(t->buckets);
 	kfree(t);
@@ -260,12 +167,12 @@ static void mc_table_free(struct mc_table *t)
 /* RCU callback: a replaced table, once no lookup can be on it. */
 static void mc_table_free_rcu(struct rcu_head *rcu)
 {
-	mc_table_free(container_of(rcu, struct mc_table, rcu));
+	mc_table_free(container_of(rcu, struct tsp_mc_table, rcu));
 }
 
 /* The shard's table, for the holder of its lock. */
-static struct mc_table *__table(struct tsp_mapping_cache *mc,
-				struct mc_shard *shard)
+static struct tsp_mc_table *__table(struct tsp_mapping_cache *mc,
+				struct tsp_mc_shard *shard)
 {
 	lockdep_assert_held(&shard->lock);
 	return rcu_dereference_protected(mc->tables[shard - mc->shards],
@@ -283,7 +190,8 @@ static struct mc_table *__table(struct tsp_mapping_cache *mc,
  */
 int tsp_mc_create(u64 budget, struct tsp_mapping_cache **result)
 {
-	u64 nr_buckets = div_u64(budget, sizeof(struct mc_bucket)), per_shard;
+	u64 nr_buckets = div_u64(budget, sizeof(struct tsp_mc_bucket));
+	u64 per_shard;
 	unsigned int nr_shards, i, bits, max_bits;
 	struct tsp_mapping_cache *mc;
 
@@ -303,19 +211,19 @@ int tsp_mc_create(u64 budget, struct tsp_mapping_cache **result)
 	mc->nr_shards = nr_shards;
 	mc->shard_bits = ilog2(nr_shards);
 	if (per_shard)
-		mc->max_entries = ((u64)nr_shards << max_bits) * MC_WAYS;
+		mc->max_entries = ((u64)nr_shards << max_bits) * TSP_MC_WAYS;
 
-	mc->shards = kcalloc(nr_shards, sizeof(struct mc_shard), GFP_KERNEL);
+	mc->shards = kcalloc(nr_shards, sizeof(struct tsp_mc_shard), GFP_KERNEL);
 	if (!mc->shards)
 		goto bad_shards;
 	mc->tables = kcalloc(nr_shards, sizeof(*mc->tables), GFP_KERNEL);
 	if (!mc->tables)
 		goto bad_tables;
-	mc->stats = alloc_percpu(struct mc_cpu_stats);
+	mc->stats = alloc_percpu(struct tsp_mc_cpu_stats);
 	if (!mc->stats)
 		goto bad_stats;
 	for (i = 0; i < nr_shards; i++) {
-		struct mc_table *t = mc_table_alloc(bits, GFP_KERNEL);
+		struct tsp_mc_table *t = mc_table_alloc(bits, GFP_KERNEL);
 
 		if (!t)
 			goto bad_table;
@@ -366,73 +274,9 @@ void tsp_mc_destroy(struct tsp_mapping_cache *mc)
 	kfree(mc);
 }
 
-/*
- * Look for @key in @b without a lock (see "Reading a bucket"); on a hit
- * set @val and the way's referenced byte.
- */
-static __always_inline bool mc_read_bucket(struct mc_bucket *b, u64 key,
-					   u64 *val)
-{
-	unsigned int seq;
-	int way;
-
-	do {
-		seq = raw_read_seqcount(&b->seq);
-		way = seq & 1 ? -1 : mc_find_way(b, key);
-		if (way >= 0)
-			*val = READ_ONCE(b->val[way]);
-		/* Odd: a writer is in the bucket; it reads as empty. */
-	} while (read_seqcount_retry(&b->seq, seq) && !(seq & 1));
-
-	if (way < 0)
-		return false;
-	if (!READ_ONCE(b->referenced[way]))
-		WRITE_ONCE(b->referenced[way], 1);
-	return true;
-}
-
-/**
- * tsp_mc_lookup - find a cached mapping
- * @mc: the cache
- * @dev: thin device id
- * @virt: virtual block
- * @result: out, the mapping on a hit
- *
- * Context: any; inside the caller's rcu_read_lock(), which keeps @mc's
- * tables alive while it runs.  Never waits and takes no lock; writes only
- * this CPU's counters and, the first time a mapping is hit after CLOCK
- * cleared it, its referenced byte.
- *
- * Return: true on a hit.  A hit is a mapping the cache held at some
- * moment during the call: an update that completed before the call
- * started is seen, one racing with it may or may not be.
- */
-bool tsp_mc_lookup(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
-		   struct tsp_mc_mapping *result)
-{
-	struct mc_table *t;
-	bool hit = false;
-	u64 key, val = 0;	/* set on a hit; 0 quiets -Wmaybe-uninitialized */
-
-	RCU_LOCKDEP_WARN(!rcu_read_lock_held(),
-			 "mapping cache lookup outside RCU");
-	if (mc_key(dev, virt, &key)) {
-		t = rcu_dereference(mc->tables[mc_shard_index(mc, key)]);
-		hit = mc_read_bucket(mc_bucket(mc, t, key, false), key, &val) ||
-		      mc_read_bucket(mc_bucket(mc, t, key, true), key, &val);
-	}
-	if (hit) {
-		result->block = val >> MC_TIME_BITS;
-		result->time = val & ((1U << MC_TIME_BITS) - 1);
-		this_cpu_inc(mc->stats->hits);
-	} else {
-		this_cpu_inc(mc->stats->misses);
-	}
-	return hit;
-}
-
 /* Put (@key, @val) in @way of @b, which lookups may be reading. */
-static void __set_way(struct mc_bucket *b, unsigned int way, u64 key, u64 val)
+static void __set_way(struct tsp_mc_bucket *b, unsigned int way, u64 key,
+		      u64 val)
 {
 	raw_write_seqcount_begin(&b->seq);
 	WRITE_ONCE(b->key[way], key);
@@ -442,7 +286,7 @@ static void __set_way(struct mc_bucket *b, unsigned int way, u64 key, u64 val)
 }
 
 /* Empty the ways of @b in @ways (a mask). */
-static void __clear_ways(struct mc_shard *shard, struct mc_bucket *b,
+static void __clear_ways(struct tsp_mc_shard *shard, struct tsp_mc_bucket *b,
 			 unsigned int ways)
 {
 	unsigned int i;
@@ -451,7 +295,7 @@ static void __clear_ways(struct mc_shard *shard, struct mc_bucket *b,
 	raw_write_seqcount_begin(&b->seq);
 	WRITE_ONCE(b->used, b->used & ~ways);
 	raw_write_seqcount_end(&b->seq);
-	for (i = 0; i < MC_WAYS; i++)
+	for (i = 0; i < TSP_MC_WAYS; i++)
 		if (ways & (1U << i))
 			WRITE_ONCE(shard->nr, shard->nr - 1);
 }
@@ -463,17 +307,18 @@ static void __clear_ways(struct mc_shard *shard, struct mc_bucket *b,
  * full.  For the holder of the shard lock, or on a table not yet
  * published.
  */
-static bool mc_locate(struct tsp_mapping_cache *mc, struct mc_table *t,
-		      u64 key, struct mc_bucket **b, int *way)
+static bool mc_locate(struct tsp_mapping_cache *mc, struct tsp_mc_table *t,
+		      u64 key, struct tsp_mc_bucket **b, int *way)
 {
-	struct mc_bucket *buckets[2] = {
-		mc_bucket(mc, t, key, false), mc_bucket(mc, t, key, true)
+	struct tsp_mc_bucket *buckets[2] = {
+		tsp_mc_bucket_of(mc, t, key, false),
+		tsp_mc_bucket_of(mc, t, key, true)
 	};
 	unsigned int i, w;
 
 	*b = NULL;
 	for (i = 0; i < 2; i++) {
-		for (w = 0; w < MC_WAYS; w++) {
+		for (w = 0; w < TSP_MC_WAYS; w++) {
 			bool used = buckets[i]->used & (1U << w);
 
 			if (used && buckets[i]->key[w] == key) {
@@ -491,16 +336,16 @@ static bool mc_locate(struct tsp_mapping_cache *mc, struct mc_table *t,
 }
 
 /* The way of the full bucket @b that CLOCK gives up (see "Eviction"). */
-static unsigned int __clock_victim(struct mc_bucket *b)
+static unsigned int __clock_victim(struct tsp_mc_bucket *b)
 {
 	unsigned int way = b->hand, steps;
 
-	for (steps = 0; steps < MC_WAYS && READ_ONCE(b->referenced[way]);
+	for (steps = 0; steps < TSP_MC_WAYS && READ_ONCE(b->referenced[way]);
 	     steps++) {
 		WRITE_ONCE(b->referenced[way], 0);
-		way = (way + 1) % MC_WAYS;
+		way = (way + 1) % TSP_MC_WAYS;
 	}
-	b->hand = (way + 1) % MC_WAYS;
+	b->hand = (way + 1) % TSP_MC_WAYS;
 	return way;
 }
 
@@ -509,15 +354,16 @@ static unsigned int __clock_victim(struct mc_bucket *b)
  * Return: how many found both of their buckets in @to full.
  */
 static unsigned int mc_copy_table(struct tsp_mapping_cache *mc,
-				  struct mc_table *from, struct mc_table *to)
+				  struct tsp_mc_table *from,
+				  struct tsp_mc_table *to)
 {
 	unsigned int i, way, dropped = 0;
-	struct mc_bucket *b, *into;
+	struct tsp_mc_bucket *b, *into;
 	int free_way;
 
 	for (i = 0; i < (1U << from->bits); i++) {
 		b = &from->buckets[i];
-		for (way = 0; way < MC_WAYS; way++) {
+		for (way = 0; way < TSP_MC_WAYS; way++) {
 			if (!(b->used & (1U << way)))
 				continue;
 			mc_locate(mc, to, b->key[way], &into, &free_way);
@@ -542,9 +388,9 @@ static unsigned int mc_copy_table(struct tsp_mapping_cache *mc,
  * Return: false if the table is as large as it may be, or the allocation
  * failed now or the last time (see @grow_at).
  */
-static bool __grow(struct tsp_mapping_cache *mc, struct mc_shard *shard)
+static bool __grow(struct tsp_mapping_cache *mc, struct tsp_mc_shard *shard)
 {
-	struct mc_table *old = __table(mc, shard), *new;
+	struct tsp_mc_table *old = __table(mc, shard), *new;
 	unsigned int bits = old->bits, dropped;
 
 	if (bits >= shard->max_bits || shard->nr < shard->grow_at)
@@ -592,16 +438,16 @@ static bool __grow(struct tsp_mapping_cache *mc, struct mc_shard *shard)
 bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		   u64 block, u32 time)
 {
-	struct mc_shard *shard;
-	struct mc_bucket *b;
+	struct tsp_mc_shard *shard;
+	struct tsp_mc_bucket *b;
 	bool cacheable;
 	u64 key, val;
 	int way;
 
-	if (!mc->max_entries || !mc_key(dev, virt, &key))
+	if (!mc->max_entries || !tsp_mc_key(dev, virt, &key))
 		return false;
 	cacheable = mc_value(block, time, &val);
-	shard = &mc->shards[mc_shard_index(mc, key)];
+	shard = &mc->shards[tsp_mc_shard_index(mc, key)];
 
 	spin_lock(&shard->lock);
 	if (mc_locate(mc, __table(mc, shard), key, &b, &way)) {
@@ -616,7 +462,7 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		if (b) {
 			WRITE_ONCE(shard->nr, shard->nr + 1);
 		} else {
-			b = mc_bucket(mc, __table(mc, shard), key, false);
+			b = tsp_mc_bucket_of(mc, __table(mc, shard), key, false);
 			way = __clock_victim(b);
 			shard->evictions++;
 		}
@@ -640,14 +486,14 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
  */
 void tsp_mc_invalidate(struct tsp_mapping_cache *mc, u64 dev, u64 virt)
 {
-	struct mc_shard *shard;
-	struct mc_bucket *b;
+	struct tsp_mc_shard *shard;
+	struct tsp_mc_bucket *b;
 	u64 key;
 	int way;
 
-	if (!mc->max_entries || !mc_key(dev, virt, &key))
+	if (!mc->max_entries || !tsp_mc_key(dev, virt, &key))
 		return;
-	shard = &mc->shards[mc_shard_index(mc, key)];
+	shard = &mc->shards[tsp_mc_shard_index(mc, key)];
 	spin_lock(&shard->lock);
 	if (mc_locate(mc, __table(mc, shard), key, &b, &way))
 		__clear_ways(shard, b, 1U << way);
@@ -661,9 +507,9 @@ static void mc_remove_matching(struct tsp_mapping_cache *mc,
 			       u64 dev, u64 begin, u64 end)
 {
 	unsigned int i, j, way, ways;
-	struct mc_shard *shard;
-	struct mc_table *t;
-	struct mc_bucket *b;
+	struct tsp_mc_shard *shard;
+	struct tsp_mc_table *t;
+	struct tsp_mc_bucket *b;
 
 	for (i = 0; i < mc->nr_shards; i++) {
 		shard = &mc->shards[i];
@@ -672,7 +518,7 @@ static void mc_remove_matching(struct tsp_mapping_cache *mc,
 		for (j = 0; j < (1U << t->bits); j++) {
 			b = &t->buckets[j];
 			ways = 0;
-			for (way = 0; way < MC_WAYS; way++)
+			for (way = 0; way < TSP_MC_WAYS; way++)
 				if ((b->used & (1U << way)) &&
 				    match(b->key[way], dev, begin, end))
 					ways |= 1U << way;
@@ -686,14 +532,14 @@ static void mc_remove_matching(struct tsp_mapping_cache *mc,
 
 static bool match_range(u64 key, u64 dev, u64 begin, u64 end)
 {
-	u64 virt = key & ((1ULL << MC_VIRT_BITS) - 1);
+	u64 virt = key & ((1ULL << TSP_MC_VIRT_BITS) - 1);
 
-	return key >> MC_VIRT_BITS == dev && virt >= begin && virt < end;
+	return key >> TSP_MC_VIRT_BITS == dev && virt >= begin && virt < end;
 }
 
 static bool match_dev(u64 key, u64 dev, u64 begin, u64 end)
 {
-	return key >> MC_VIRT_BITS == dev;
+	return key >> TSP_MC_VIRT_BITS == dev;
 }
 
 static bool match_all(u64 key, u64 dev, u64 begin, u64 end)
@@ -731,8 +577,8 @@ void tsp_mc_invalidate_range(struct tsp_mapping_cache *mc, u64 dev,
 {
 	u64 virt;
 
-	/* Nothing at or beyond 2^MC_VIRT_BITS is cached. */
-	end = min_t(u64, end, 1ULL << MC_VIRT_BITS);
+	/* Nothing at or beyond 2^TSP_MC_VIRT_BITS is cached. */
+	end = min_t(u64, end, 1ULL << TSP_MC_VIRT_BITS);
 	if (begin >= end)
 		return;
 	if (end - begin <= MC_RANGE_BY_KEY ||
@@ -781,7 +627,7 @@ void tsp_mc_clear(struct tsp_mapping_cache *mc)
  */
 void tsp_mc_get_stats(struct tsp_mapping_cache *mc, struct tsp_mc_stats *stats)
 {
-	struct mc_cpu_stats *s;
+	struct tsp_mc_cpu_stats *s;
 	unsigned int i;
 	int cpu;
 

@@ -185,6 +185,7 @@ struct fast_arg {
 static void *fast_thread(void *argp)
 {
 	struct fast_arg *a = argp;
+	const struct tsp_thin_fast *td = tsp_thin_fast(a->p->td);
 	struct tsp_thin_lookup_result res;
 	u64 state = a->seed, misses = 0, i, z;
 
@@ -196,7 +197,7 @@ static void *fast_thread(void *argp)
 		z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
 		z ^= z >> 31;
 		rcu_read_lock();
-		if (tsp_thin_find_block_fast(a->p->td, z % a->span, &res))
+		if (tsp_thin_find_block_fast(td, z % a->span, &res))
 			misses++;
 		rcu_read_unlock();
 	}
