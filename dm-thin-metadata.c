@@ -40,14 +40,16 @@
  * Locking: @root_lock, a rw_semaphore, protects everything in struct
  * tsp_pool_metadata and struct tsp_thin_device, except that @cache is
  * also read under RCU (swapped with rcu_assign_pointer() under the lock
- * held for writing, freed after a grace period) and a device's struct
- * tsp_thin_fast is also read with READ_ONCE().  Public functions take
- * it (shared for lookups, exclusive for updates) and call a __name()
- * helper that asserts it is held.  A provision leaves its device's
+ * held for writing, freed after a grace period) and a device's
+ * snapshotted_time and mapped_end are also read with READ_ONCE().
+ * Public functions but tsp_thin_dev_id() and tsp_thin_fast_of() take it
+ * (shared for lookups, exclusive for updates) and call a __name() helper
+ * that asserts it is held.  A provision leaves its device's
  * btree cursor kept, its leaf write locked till the next provision
  * (readers may share it): anything else that takes @root_lock for
  * writing parks it first (lock_for_update()).  Every function may
- * sleep, except tsp_thin_find_block_fast(), which takes no lock.
+ * sleep but those two.  The map path's lookup, tsp_thin_find_block_fast(),
+ * is inline in dm-thin-metadata.h and takes no lock.
  */
 #define DM_MSG_PREFIX "thin-scalable metadata"
 
@@ -1563,7 +1565,7 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
 }
 
 /**
- * tsp_thin_fast - what the map path's lookup of @td reads
+ * tsp_thin_fast_of - what the map path's lookup of @td reads
  * @td: an open thin device
  *
  * Context: any.
@@ -1571,7 +1573,7 @@ int tsp_thin_find_block(struct tsp_thin_device *td, tsp_block_t virt,
  * Return: the part of @td that tsp_thin_find_block_fast() reads, valid
  * until @td is closed.
  */
-const struct tsp_thin_fast *tsp_thin_fast(struct tsp_thin_device *td)
+const struct tsp_thin_fast *tsp_thin_fast_of(struct tsp_thin_device *td)
 {
 	return &td->fast;
 }

@@ -11,8 +11,10 @@
  * Locking: every function takes the pool metadata lock (a rw_semaphore:
  * lookups share it, updates hold it exclusively); functions named __x
  * inside dm-thin-metadata.c assume it is held.  Every function may sleep,
- * except tsp_thin_find_block_fast() (the map path's lookup: no lock, no
- * sleep; see "The mapping cache" below).
+ * except three that take no lock and never sleep: tsp_thin_dev_id() and
+ * tsp_thin_fast_of(), which read what never changes, and the inline
+ * tsp_thin_find_block_fast() (the map path's lookup; see "The mapping
+ * cache" below).
  *
  * Return codes, for every function returning int: 0 on success;
  * -ENODATA for a virtual block that is not mapped, or a device id that
@@ -170,8 +172,11 @@ int __must_check tsp_thin_find_block(struct tsp_thin_device *td,
 /**
  * struct tsp_thin_fast - what tsp_thin_find_block_fast() reads of an open
  *	thin device, without any lock
- * @cache: the pool's mapping cache (RCU: replaced when its budget changes)
- * @id: the device's id
+ * @cache: where the pool keeps its RCU pointer to the mapping cache
+ *	(read with rcu_dereference(*@cache): the cache is replaced when
+ *	its budget changes)
+ * @id: the device's id (@cache and @id are set before the device is
+ *	visible, and never change)
  * @snapshotted_time: the time of the device's last snapshot
  * @mapped_end: no virtual block at or past it is mapped: inserts raise
  *	it, removals leave it (an upper bound, not the highest mapping);
@@ -191,12 +196,12 @@ struct tsp_thin_fast {
 	tsp_block_t mapped_end;
 };
 
-const struct tsp_thin_fast *tsp_thin_fast(struct tsp_thin_device *td);
+const struct tsp_thin_fast *tsp_thin_fast_of(struct tsp_thin_device *td);
 
 /**
  * tsp_thin_find_block_fast - where a virtual block is mapped, if cached
- * @td: tsp_thin_fast() of an open thin device; the caller keeps the
- *	device open until this returns
+ * @fast: what tsp_thin_fast_of() gave for an open thin device; the
+ *	caller keeps the device open until this returns
  * @virt: virtual block
  * @result: out, as tsp_thin_find_block() would give it: @shared is the
  *	device's snapshotted_time > the mapping's time
@@ -210,17 +215,17 @@ const struct tsp_thin_fast *tsp_thin_fast(struct tsp_thin_device *td);
  * tsp_thin_find_block()).  A failed pool's cache is empty, so it misses.
  */
 static __always_inline int __must_check
-tsp_thin_find_block_fast(const struct tsp_thin_fast *td, tsp_block_t virt,
+tsp_thin_find_block_fast(const struct tsp_thin_fast *fast, tsp_block_t virt,
 			 struct tsp_thin_lookup_result *result)
 {
 	struct tsp_mc_mapping m;
 
 	/* Nothing is mapped there: spare the cache a lookup bound to miss. */
-	if (virt >= READ_ONCE(td->mapped_end) ||
-	    !tsp_mc_lookup(rcu_dereference(*td->cache), td->id, virt, &m))
+	if (virt >= READ_ONCE(fast->mapped_end) ||
+	    !tsp_mc_lookup(rcu_dereference(*fast->cache), fast->id, virt, &m))
 		return -EWOULDBLOCK;
 	result->block = m.block;
-	result->shared = READ_ONCE(td->snapshotted_time) > m.time;
+	result->shared = READ_ONCE(fast->snapshotted_time) > m.time;
 	return 0;
 }
 

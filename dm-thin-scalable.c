@@ -469,7 +469,7 @@ struct thin_c {
 	struct dm_dev *pool_dev;
 	tsp_thin_id dev_id;
 	struct tsp_thin_device *td;
-	const struct tsp_thin_fast *td_fast;	/* tsp_thin_fast(td) */
+	const struct tsp_thin_fast *td_fast;	/* tsp_thin_fast_of(td) */
 
 	/*
 	 * External origin: a read-only device that unprovisioned blocks
@@ -586,6 +586,7 @@ static sector_t block_offset(struct pool *pool, sector_t s)
 	return sector_div(s, pool->sectors_per_block);
 }
 
+/* Inline: the fast path calls it for every IO. */
 static inline void remap(struct pool *pool, struct bio *bio,
 			 tsp_block_t data_block)
 {
@@ -3661,7 +3662,7 @@ static int thin_ctr(struct dm_target *ti, unsigned int argc, char **argv)
 		ti->error = "Couldn't open thin internal device";
 		goto bad_pool;
 	}
-	tc->td_fast = tsp_thin_fast(tc->td);
+	tc->td_fast = tsp_thin_fast_of(tc->td);
 
 	spin_lock_irq(&tc->pool->lock);
 	if (tc->pool->suspended) {
@@ -3714,6 +3715,8 @@ static void cut_bio_at(struct pool *pool, struct bio *bio, tsp_block_t end)
  *
  * Return: 0 if @virt maps to *@data_block for @bio; -EEXIST if it is
  * mapped but shared and @bio is a write; -EWOULDBLOCK if not cached.
+ * Always inline, with the cache's lookup: a call would cost the fast
+ * path a prologue and its result on the stack.
  */
 static __always_inline int find_block_fast(struct thin_c *tc,
 					   struct bio *bio, tsp_block_t virt,
@@ -3778,7 +3781,8 @@ static int map_fast(struct thin_c *tc, struct bio *bio, struct thin_bio *tb)
  * submission start only when the map function has returned, and a
  * worker's commit waits for the IO in flight.  Maps, then lets dm core
  * issue @bio, as dm-thin's worker does for a pool that does not zero
- * new blocks.
+ * new blocks.  Not inline: its locals, whose addresses it passes on,
+ * would give thin_map() a stack canary, which the fast path would pay.
  *
  * Return: true if @bio was remapped to its new block.
  */

@@ -41,6 +41,9 @@
  * 64 PiB at the smallest block size) is never cached: a miss is always
  * allowed.
  *
+ * The read side (tsp_mc_lookup() and the layout it reads) is inline in
+ * mapping-cache.h, for the map path; this file holds the writers.
+ *
  * Reading a bucket: a writer changes a bucket only inside the bucket's
  * sequence count, under the shard lock.  A lookup reads the count, the
  * bucket and the count again, and reads the bucket again if the count

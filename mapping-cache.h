@@ -11,7 +11,8 @@
  * CLOCK (the tables grow up to the budget, when GFP_NOWAIT can allocate).
  * A miss is always allowed, a wrong answer never.
  *
- * Contexts (every function; details in the kernel-doc in mapping-cache.c):
+ * Contexts (every function; details in the kernel-doc in mapping-cache.c,
+ * and below for the lookup, which is inline):
  *
  *   function                    context               locks taken
  *   tsp_mc_lookup()             caller's RCU section  none
@@ -182,11 +183,8 @@ tsp_mc_bucket_of(const struct tsp_mapping_cache *mc, struct tsp_mc_table *t,
 	return &t->buckets[index & ((1U << t->bits) - 1)];
 }
 
-/*
- * The way of @b that holds @key, or -1.  A lookup calls it inside @b's
- * sequence count, a writer under the shard lock.
- */
-static inline int tsp_mc_find_way(const struct tsp_mc_bucket *b, u64 key)
+/* The way of @b that holds @key, or -1.  Inside @b's sequence count. */
+static __always_inline int tsp_mc_find_way(const struct tsp_mc_bucket *b, u64 key)
 {
 	unsigned int used = READ_ONCE(b->used), i;
 

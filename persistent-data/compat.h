@@ -124,6 +124,7 @@ typedef unsigned int gfp_t;
 #define __must_check __attribute__((warn_unused_result))
 #define __always_unused __attribute__((unused))
 #define __maybe_unused __attribute__((unused))
+#define noinline __attribute__((noinline))
 #define likely(x) __builtin_expect(!!(x), 1)
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #define fallthrough __attribute__((fallthrough))

@@ -785,7 +785,7 @@ static int fast(struct tsp_thin_device *td, tsp_block_t virt,
 
 	res->block = ~0ULL;
 	rcu_read_lock();
-	r = tsp_thin_find_block_fast(tsp_thin_fast(td), virt, res);
+	r = tsp_thin_find_block_fast(tsp_thin_fast_of(td), virt, res);
 	rcu_read_unlock();
 	return r;
 }
