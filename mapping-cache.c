@@ -304,38 +304,46 @@ static void __clear_ways(struct tsp_mc_shard *shard, struct tsp_mc_bucket *b,
 }
 
 /*
- * Where @key is in @t: if one of its two buckets holds it, that bucket
- * and way (return true); else (return false) the first free way of the
- * two, the first bucket's before the second's, with *@b NULL if both are
- * full.  For the holder of the shard lock, or on a table not yet
- * published.
+ * Where @key is in @t: the one of its two buckets that holds it, with the
+ * way in *@way; NULL if neither does.  For the holder of the shard lock.
  */
-static bool mc_locate(struct tsp_mapping_cache *mc, struct tsp_mc_table *t,
-		      u64 key, struct tsp_mc_bucket **b, int *way)
+static struct tsp_mc_bucket *mc_find(struct tsp_mapping_cache *mc,
+				     struct tsp_mc_table *t, u64 key, int *way)
 {
-	struct tsp_mc_bucket *buckets[2] = {
-		tsp_mc_bucket_of(mc, t, key, false),
-		tsp_mc_bucket_of(mc, t, key, true)
-	};
-	unsigned int i, w;
+	struct tsp_mc_bucket *b;
+	unsigned int i;
 
-	*b = NULL;
 	for (i = 0; i < 2; i++) {
-		for (w = 0; w < TSP_MC_WAYS; w++) {
-			bool used = buckets[i]->used & (1U << w);
+		b = tsp_mc_bucket_of(mc, t, key, i);
+		*way = tsp_mc_find_way(b, key);
+		if (*way >= 0)
+			return b;
+	}
+	return NULL;
+}
 
-			if (used && buckets[i]->key[w] == key) {
-				*b = buckets[i];
-				*way = w;
-				return true;
-			}
-			if (!used && !*b) {
-				*b = buckets[i];
-				*way = w;
-			}
+/*
+ * Where @key may go in @t: the first free way of its two buckets, the
+ * first bucket's before the second's; the bucket, with the way in *@way,
+ * or NULL if both are full.  @key must not be in @t.  For the holder of
+ * the shard lock, or on a table not yet published.
+ */
+static struct tsp_mc_bucket *mc_free_way(struct tsp_mapping_cache *mc,
+					 struct tsp_mc_table *t, u64 key,
+					 int *way)
+{
+	struct tsp_mc_bucket *b;
+	unsigned int i, free;
+
+	for (i = 0; i < 2; i++) {
+		b = tsp_mc_bucket_of(mc, t, key, i);
+		free = ~b->used & ((1U << TSP_MC_WAYS) - 1);
+		if (free) {
+			*way = __ffs(free);
+			return b;
 		}
 	}
-	return false;
+	return NULL;
 }
 
 /* The way of the full bucket @b that CLOCK gives up (see "Eviction"). */
@@ -369,7 +377,7 @@ static unsigned int mc_copy_table(struct tsp_mapping_cache *mc,
 		for (way = 0; way < TSP_MC_WAYS; way++) {
 			if (!(b->used & (1U << way)))
 				continue;
-			mc_locate(mc, to, b->key[way], &into, &free_way);
+			into = mc_free_way(mc, to, b->key[way], &free_way);
 			if (!into) {
 				dropped++;
 				continue;
@@ -442,6 +450,7 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 		   u64 block, u32 time)
 {
 	struct tsp_mc_shard *shard;
+	struct tsp_mc_table *t;
 	struct tsp_mc_bucket *b;
 	bool cacheable;
 	u64 key, val;
@@ -453,15 +462,18 @@ bool tsp_mc_insert(struct tsp_mapping_cache *mc, u64 dev, u64 virt,
 	shard = &mc->shards[tsp_mc_shard_index(mc, key)];
 
 	spin_lock(&shard->lock);
-	if (mc_locate(mc, __table(mc, shard), key, &b, &way)) {
+	t = __table(mc, shard);
+	b = mc_find(mc, t, key, &way);
+	if (b) {
 		if (!cacheable)
 			__clear_ways(shard, b, 1U << way);
 		else if (b->val[way] != val)
 			__set_way(b, way, key, val);
 	} else if (cacheable) {
+		b = mc_free_way(mc, t, key, &way);
 		/* A larger table does not hold @key either. */
 		while (!b && __grow(mc, shard))
-			mc_locate(mc, __table(mc, shard), key, &b, &way);
+			b = mc_free_way(mc, __table(mc, shard), key, &way);
 		if (b) {
 			WRITE_ONCE(shard->nr, shard->nr + 1);
 		} else {
@@ -498,7 +510,8 @@ void tsp_mc_invalidate(struct tsp_mapping_cache *mc, u64 dev, u64 virt)
 		return;
 	shard = &mc->shards[tsp_mc_shard_index(mc, key)];
 	spin_lock(&shard->lock);
-	if (mc_locate(mc, __table(mc, shard), key, &b, &way))
+	b = mc_find(mc, __table(mc, shard), key, &way);
+	if (b)
 		__clear_ways(shard, b, 1U << way);
 	spin_unlock(&shard->lock);
 }

@@ -252,6 +252,7 @@ bool tsp_user_rwsem_held(struct rw_semaphore *s);
 #define ____cacheline_aligned_in_smp
 #define ____cacheline_aligned __attribute__((aligned(64)))
 #define ilog2(n) (63 - __builtin_clzll((u64)(n)))
+#define __ffs(word) ((unsigned long)__builtin_ctzl(word))	/* word != 0 */
 #define is_power_of_2(n) ((n) != 0 && (((n) & ((n) - 1)) == 0))
 static inline unsigned long roundup_pow_of_two(unsigned long n)
 {
