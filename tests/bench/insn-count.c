@@ -13,6 +13,17 @@
  *	user	<instructions in user space>
  *	<hex address>	<instructions in the blocks that start there>
  *
+ * With tlb=BITS each line has a third column: the data accesses of those
+ * instructions that miss a model of qemu's softmmu TLB, direct mapped,
+ * 2^BITS entries of 4 KiB pages with eight more for the entries they
+ * evicted (qemu's victim TLB, searched on a miss, its entries replaced
+ * in turn), one such TLB for the kernel's accesses and one for user
+ * space's (qemu keeps a TLB per MMU mode).  qemu also resizes its TLB
+ * between 2^6 and 2^22 entries by how much of it was used, and empties
+ * it when the guest switches page tables; the model does neither.  What
+ * it tells is which code touches pages that the rest of the IO path
+ * does not keep in the TLB: where qemu walks the guest's page tables.
+ *
  * A block ends at a branch, call or return, so it lies in one function
  * (but where one falls through into the next): scripts/profile's report
  * names it with the guest's /proc/kallsyms.
@@ -29,7 +40,8 @@
  * overflow counter, reported as address 0.
  *
  * Locking: the table's inserts (at translation, which MTTCG may run on
- * several vCPU threads at once) and the writing out take table_lock.
+ * several vCPU threads at once) and the writing out take table_lock.  The
+ * TLB model takes no lock: like the counts, it holds with one vCPU only.
  *
  * Built against Debian 12's qemu 7.2 plugin API (version 1), for x86-64
  * system emulation.
@@ -37,6 +49,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,16 +66,30 @@ static const uint8_t mark_insn[] = { 0x66, 0x87, 0xdb };	/* xchg %bx,%bx */
 struct block_count {
 	uint64_t vaddr;		/* 0: a free slot */
 	uint64_t insns;
+	uint64_t tlb_misses;
 };
 
 static struct block_count *table;
 static uint64_t overflow_insns, user_insns;
+static uint64_t overflow_misses, user_misses;
+static unsigned int tlb_bits;	/* 0: no TLB model */
+
+#define VICTIMS 8
+
+/* Entries: page number + 1; 0 is empty. */
+struct tlb_model {
+	uint64_t *entries;
+	uint64_t victims[VICTIMS];
+	unsigned int next_victim;
+};
+
+static struct tlb_model kernel_tlb, user_tlb;
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static char out_dir[4096] = ".";
 static unsigned int marks;
 
-/* The counter of kernel address @vaddr; called with table_lock held. */
-static uint64_t *counter_for(uint64_t vaddr)
+/* The counters of kernel address @vaddr; called with table_lock held. */
+static struct block_count *counter_for(uint64_t vaddr)
 {
 	uint64_t h = (vaddr * 0x9e3779b97f4a7c15ULL) >> (64 - TABLE_BITS);
 	unsigned long i, probes;
@@ -70,13 +97,58 @@ static uint64_t *counter_for(uint64_t vaddr)
 	for (probes = 0; probes < TABLE_SIZE / 2; probes++) {
 		i = (h + probes) & (TABLE_SIZE - 1);
 		if (table[i].vaddr == vaddr)
-			return &table[i].insns;
+			return &table[i];
 		if (!table[i].vaddr) {
 			table[i].vaddr = vaddr;
-			return &table[i].insns;
+			return &table[i];
 		}
 	}
-	return &overflow_insns;
+	return NULL;
+}
+
+/*
+ * A data access at @vaddr through @tlb: a hit in the victims swaps the
+ * entries, as qemu does; a miss everywhere counts in @misses, and the
+ * entry it replaces becomes a victim.
+ */
+static void tlb_access(struct tlb_model *tlb, uint64_t vaddr, uint64_t *misses)
+{
+	uint64_t page = (vaddr >> 12) + 1;
+	uint64_t *entry = &tlb->entries[page & ((1ULL << tlb_bits) - 1)];
+	unsigned int i;
+
+	if (*entry == page)
+		return;
+	for (i = 0; i < VICTIMS; i++) {
+		if (tlb->victims[i] == page) {
+			tlb->victims[i] = *entry;
+			*entry = page;
+			return;
+		}
+	}
+	tlb->victims[tlb->next_victim++ % VICTIMS] = *entry;
+	*entry = page;
+	(*misses)++;
+}
+
+static void kernel_access(unsigned int vcpu, qemu_plugin_meminfo_t info,
+			  uint64_t vaddr, void *misses)
+{
+	tlb_access(&kernel_tlb, vaddr, misses);
+}
+
+static void user_access(unsigned int vcpu, qemu_plugin_meminfo_t info,
+			uint64_t vaddr, void *misses)
+{
+	tlb_access(&user_tlb, vaddr, misses);
+}
+
+static void write_line(FILE *f, const char *key, uint64_t insns, uint64_t misses)
+{
+	if (tlb_bits)
+		fprintf(f, "%s\t%" PRIu64 "\t%" PRIu64 "\n", key, insns, misses);
+	else
+		fprintf(f, "%s\t%" PRIu64 "\n", key, insns);
 }
 
 /* At a mark: write the counts since the last one, and reset them. */
@@ -93,30 +165,44 @@ static void write_counts(unsigned int vcpu, void *udata)
 	if (!f) {
 		fprintf(stderr, "insn-count: cannot write %s: %s\n", path, strerror(errno));
 	} else {
-		fprintf(f, "user\t%" PRIu64 "\n", user_insns);
+		write_line(f, "user", user_insns, user_misses);
 		if (overflow_insns)
-			fprintf(f, "0\t%" PRIu64 "\n", overflow_insns);
+			write_line(f, "0", overflow_insns, overflow_misses);
 		for (i = 0; i < TABLE_SIZE; i++) {
-			if (table[i].insns)
-				fprintf(f, "%" PRIx64 "\t%" PRIu64 "\n",
-					table[i].vaddr, table[i].insns);
+			char addr[20];
+
+			if (!table[i].insns)
+				continue;
+			snprintf(addr, sizeof(addr), "%" PRIx64, table[i].vaddr);
+			write_line(f, addr, table[i].insns, table[i].tlb_misses);
 		}
 		if (fclose(f))
 			fprintf(stderr, "insn-count: writing %s failed\n", path);
 	}
 	for (i = 0; i < TABLE_SIZE; i++)
-		table[i].insns = 0;
+		table[i].insns = table[i].tlb_misses = 0;
 	user_insns = overflow_insns = 0;
+	user_misses = overflow_misses = 0;
 	pthread_mutex_unlock(&table_lock);
 }
 
 static void translate_block(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 {
 	uint64_t vaddr = qemu_plugin_tb_vaddr(tb);
-	uint64_t *counter = &user_insns;
+	uint64_t *counter = &user_insns, *misses = &user_misses;
+	bool kernel = vaddr >= KERNEL_START;
 	size_t n = qemu_plugin_tb_n_insns(tb);
 	size_t i;
 
+	if (kernel) {
+		struct block_count *c;
+
+		pthread_mutex_lock(&table_lock);
+		c = counter_for(vaddr);
+		pthread_mutex_unlock(&table_lock);
+		counter = c ? &c->insns : &overflow_insns;
+		misses = c ? &c->tlb_misses : &overflow_misses;
+	}
 	for (i = 0; i < n; i++) {
 		struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
 
@@ -124,16 +210,19 @@ static void translate_block(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 		    !memcmp(qemu_plugin_insn_data(insn), mark_insn, sizeof(mark_insn)))
 			qemu_plugin_register_vcpu_insn_exec_cb(insn, write_counts,
 							       QEMU_PLUGIN_CB_NO_REGS, NULL);
-	}
-	if (vaddr >= KERNEL_START) {
-		pthread_mutex_lock(&table_lock);
-		counter = counter_for(vaddr);
-		pthread_mutex_unlock(&table_lock);
+		if (tlb_bits)
+			qemu_plugin_register_vcpu_mem_cb(insn,
+							 kernel ? kernel_access : user_access,
+							 QEMU_PLUGIN_CB_NO_REGS,
+							 QEMU_PLUGIN_MEM_RW, misses);
 	}
 	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, counter, n);
 }
 
-/* Arguments: out=DIR, where the counts go (default: qemu's directory). */
+/*
+ * Arguments: out=DIR, where the counts go (default: qemu's directory);
+ * tlb=BITS, count the misses of a TLB model of 2^BITS entries (6 to 22).
+ */
 QEMU_PLUGIN_EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_t *info,
 					   int argc, char **argv)
 {
@@ -144,15 +233,23 @@ QEMU_PLUGIN_EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_
 		return -1;
 	}
 	for (i = 0; i < argc; i++) {
-		if (strncmp(argv[i], "out=", 4) != 0 || !argv[i][4]) {
-			fprintf(stderr, "insn-count: unknown argument '%s' (out=DIR)\n",
+		if (!strncmp(argv[i], "out=", 4) && argv[i][4]) {
+			snprintf(out_dir, sizeof(out_dir), "%s", argv[i] + 4);
+		} else if (!strncmp(argv[i], "tlb=", 4) &&
+			   atoi(argv[i] + 4) >= 6 && atoi(argv[i] + 4) <= 22) {
+			tlb_bits = atoi(argv[i] + 4);
+		} else {
+			fprintf(stderr, "insn-count: unknown argument '%s' (out=DIR, tlb=BITS)\n",
 				argv[i]);
 			return -1;
 		}
-		snprintf(out_dir, sizeof(out_dir), "%s", argv[i] + 4);
 	}
 	table = calloc(TABLE_SIZE, sizeof(*table));
-	if (!table) {
+	if (tlb_bits) {
+		kernel_tlb.entries = calloc(1UL << tlb_bits, sizeof(uint64_t));
+		user_tlb.entries = calloc(1UL << tlb_bits, sizeof(uint64_t));
+	}
+	if (!table || (tlb_bits && (!kernel_tlb.entries || !user_tlb.entries))) {
 		fprintf(stderr, "insn-count: out of memory\n");
 		return -1;
 	}

@@ -94,14 +94,30 @@ class Symbols:
 
 def insn_counts(path, symbols):
     """One of insn-count.c's files: instructions per function, and in
-    user space (under "(user space)")."""
-    counts = collections.Counter()
+    user space (under "(user space)"); and the TLB model's misses the
+    same way, empty if the run had no model."""
+    counts, misses = collections.Counter(), collections.Counter()
     with open(path) as f:
         for line in f:
-            key, value = line.split()
+            key, *values = line.split()
             fn = '(user space)' if key == 'user' else symbols.name(int(key, 16))
-            counts[fn] += int(value)
-    return counts
+            counts[fn] += int(values[0])
+            if len(values) > 1:
+                misses[fn] += int(values[1])
+    return counts, misses
+
+
+def print_diff(ref, t, rcounts, rios, counts, ios, what, top, digits=0):
+    """The functions whose @what per IO differ most between @ref and @t."""
+    total = sum(counts.values()) / ios - sum(rcounts.values()) / rios
+    print(f'\n{t} against {ref}: {total:+.{digits}f} {what} per IO;'
+          f' the functions whose count differs most'
+          f' (per IO: {ref}, {t}, difference):')
+    diff = {fn: counts[fn] / ios - rcounts[fn] / rios
+            for fn in set(counts) | set(rcounts)}
+    for fn in sorted(diff, key=lambda k: -abs(diff[k]))[:top]:
+        print(f'  {rcounts[fn] / rios:9.1f} {counts[fn] / ios:9.1f}'
+              f' {diff[fn]:+9.1f}  {fn}')
 
 
 def report_insns(args, env, targets):
@@ -116,9 +132,10 @@ def report_insns(args, env, targets):
     for i, t in enumerate(targets):
         try:
             # Marks before and after each run: the i-th run is file 2i+1.
-            counts = insn_counts(os.path.join(args.dir, f'insns-{2 * i + 1}.tsv'),
-                                 symbols)
-            runs[t] = (counts, *fio_ios(os.path.join(args.dir, f'{t}.fio')))
+            counts, misses = insn_counts(
+                os.path.join(args.dir, f'insns-{2 * i + 1}.tsv'), symbols)
+            runs[t] = (counts, misses,
+                       *fio_ios(os.path.join(args.dir, f'{t}.fio')))
         except (OSError, ValueError) as e:
             sys.exit(f'profile-report: {args.dir}: no result for {t}: {e}')
 
@@ -127,23 +144,17 @@ def report_insns(args, env, targets):
           ' guest instructions per IO (the whole run: fio\'s start too;'
           ' IOPS under the plugin)')
     print('  target          IOPS  instructions/IO  of them in user space')
-    for t, (counts, ios, iops) in runs.items():
+    for t, (counts, _, ios, iops) in runs.items():
         print(f'  {t:14s} {iops:6.0f} {sum(counts.values()) / ios:16.0f}'
               f' {counts["(user space)"] / ios:22.0f}')
-    rcounts, rios, _ = runs[ref]
-    rtotal = sum(rcounts.values()) / rios
-    for t, (counts, ios, _) in runs.items():
+    rcounts, rmisses, rios, _ = runs[ref]
+    for t, (counts, misses, ios, _) in runs.items():
         if t == ref:
             continue
-        total = sum(counts.values()) / ios
-        print(f'\n{t} against {ref}: {total - rtotal:+.0f} instructions per IO;'
-              ' the functions whose count differs most'
-              f' (per IO: {ref}, {t}, difference):')
-        diff = {fn: counts[fn] / ios - rcounts[fn] / rios
-                for fn in set(counts) | set(rcounts)}
-        for fn in sorted(diff, key=lambda k: -abs(diff[k]))[:args.top]:
-            print(f'  {rcounts[fn] / rios:9.1f} {counts[fn] / ios:9.1f}'
-                  f' {diff[fn]:+9.1f}  {fn}')
+        print_diff(ref, t, rcounts, rios, counts, ios, 'instructions', args.top)
+        if misses or rmisses:
+            print_diff(ref, t, rmisses, rios, misses, ios,
+                       'misses of the TLB model', args.top, 2)
 
 
 def print_tree(prof, root, ios, depth=4, min_share=0.02):
