@@ -333,13 +333,13 @@ static struct tsp_mc_bucket *mc_free_way(struct tsp_mapping_cache *mc,
 					 int *way)
 {
 	struct tsp_mc_bucket *b;
-	unsigned int i, free;
+	unsigned int i, free_ways;
 
 	for (i = 0; i < 2; i++) {
 		b = tsp_mc_bucket_of(mc, t, key, i);
-		free = ~b->used & ((1U << TSP_MC_WAYS) - 1);
-		if (free) {
-			*way = __ffs(free);
+		free_ways = ~b->used & ((1U << TSP_MC_WAYS) - 1);
+		if (free_ways) {
+			*way = __ffs(free_ways);
 			return b;
 		}
 	}

@@ -183,7 +183,10 @@ tsp_mc_bucket_of(const struct tsp_mapping_cache *mc, struct tsp_mc_table *t,
 	return &t->buckets[index & ((1U << t->bits) - 1)];
 }
 
-/* The way of @b that holds @key, or -1.  Inside @b's sequence count. */
+/*
+ * The way of @b that holds @key, or -1.  Inside @b's sequence count, or
+ * under its shard's lock.
+ */
 static __always_inline int tsp_mc_find_way(const struct tsp_mc_bucket *b, u64 key)
 {
 	unsigned int used = READ_ONCE(b->used), i;
