@@ -17,8 +17,10 @@
  * instructions that miss a model of qemu's softmmu TLB, direct mapped,
  * 2^BITS entries of 4 KiB pages with eight more for the entries they
  * evicted (qemu's victim TLB, searched on a miss, its entries replaced
- * in turn), one such TLB for the kernel's accesses and one for user
- * space's (qemu keeps a TLB per MMU mode).  qemu also resizes its TLB
+ * in turn), one such TLB for the accesses of kernel code and one for
+ * user space's (qemu keeps a TLB per MMU mode; the kernel's accesses
+ * to user memory between stac and clac have a mode of their own there,
+ * which the model counts as the kernel's).  qemu also resizes its TLB
  * between 2^6 and 2^22 entries by how much of it was used, and empties
  * it when the guest switches page tables; the model does neither.  What
  * it tells is which code touches pages that the rest of the IO path
@@ -109,7 +111,7 @@ static struct block_count *counter_for(uint64_t vaddr)
 /*
  * A data access at @vaddr through @tlb: a hit in the victims swaps the
  * entries, as qemu does; a miss everywhere counts in @misses, and the
- * entry it replaces becomes a victim.
+ * entry it replaces, if any, becomes a victim.
  */
 static void tlb_access(struct tlb_model *tlb, uint64_t vaddr, uint64_t *misses)
 {
@@ -126,7 +128,8 @@ static void tlb_access(struct tlb_model *tlb, uint64_t vaddr, uint64_t *misses)
 			return;
 		}
 	}
-	tlb->victims[tlb->next_victim++ % VICTIMS] = *entry;
+	if (*entry)
+		tlb->victims[tlb->next_victim++ % VICTIMS] = *entry;
 	*entry = page;
 	(*misses)++;
 }
@@ -143,10 +146,12 @@ static void user_access(unsigned int vcpu, qemu_plugin_meminfo_t info,
 	tlb_access(&user_tlb, vaddr, misses);
 }
 
-static void write_line(FILE *f, const char *key, uint64_t insns, uint64_t misses)
+static void write_line(FILE *f, const char *key, uint64_t insns,
+		       uint64_t misses)
 {
 	if (tlb_bits)
-		fprintf(f, "%s\t%" PRIu64 "\t%" PRIu64 "\n", key, insns, misses);
+		fprintf(f, "%s\t%" PRIu64 "\t%" PRIu64 "\n", key, insns,
+			misses);
 	else
 		fprintf(f, "%s\t%" PRIu64 "\n", key, insns);
 }
@@ -211,10 +216,10 @@ static void translate_block(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 			qemu_plugin_register_vcpu_insn_exec_cb(insn, write_counts,
 							       QEMU_PLUGIN_CB_NO_REGS, NULL);
 		if (tlb_bits)
-			qemu_plugin_register_vcpu_mem_cb(insn,
-							 kernel ? kernel_access : user_access,
-							 QEMU_PLUGIN_CB_NO_REGS,
-							 QEMU_PLUGIN_MEM_RW, misses);
+			qemu_plugin_register_vcpu_mem_cb(
+				insn, kernel ? kernel_access : user_access,
+				QEMU_PLUGIN_CB_NO_REGS, QEMU_PLUGIN_MEM_RW,
+				misses);
 	}
 	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, counter, n);
 }
@@ -235,9 +240,16 @@ QEMU_PLUGIN_EXPORT int qemu_plugin_install(qemu_plugin_id_t id, const qemu_info_
 	for (i = 0; i < argc; i++) {
 		if (!strncmp(argv[i], "out=", 4) && argv[i][4]) {
 			snprintf(out_dir, sizeof(out_dir), "%s", argv[i] + 4);
-		} else if (!strncmp(argv[i], "tlb=", 4) &&
-			   atoi(argv[i] + 4) >= 6 && atoi(argv[i] + 4) <= 22) {
-			tlb_bits = atoi(argv[i] + 4);
+		} else if (!strncmp(argv[i], "tlb=", 4)) {
+			char *end;
+			unsigned long bits = strtoul(argv[i] + 4, &end, 10);
+
+			if (end == argv[i] + 4 || *end || bits < 6 || bits > 22) {
+				fprintf(stderr, "insn-count: tlb wants 6 to 22 bits, not '%s'\n",
+					argv[i] + 4);
+				return -1;
+			}
+			tlb_bits = bits;
 		} else {
 			fprintf(stderr, "insn-count: unknown argument '%s' (out=DIR, tlb=BITS)\n",
 				argv[i]);

@@ -8,7 +8,8 @@ their own samples (self) and by the samples with them on the stack
 (inclusive).  For a run of scripts/profile --insns (count=insns in
 profile.env): guest instructions per IO instead of time, by function
 (their own: the counts have no call stacks), and the functions whose
-count differs most from the reference target's.
+count differs most from the reference target's; and the same for the
+misses of the TLB model if the run had one (scripts/profile --tlb).
 
 usage: profile-report.py [--top N] [--tree FUNC]... DIR
 """
@@ -100,6 +101,8 @@ def insn_counts(path, symbols):
     with open(path) as f:
         for line in f:
             key, *values = line.split()
+            if not values:
+                raise ValueError(f'{path}: a line without a count')
             fn = '(user space)' if key == 'user' else symbols.name(int(key, 16))
             counts[fn] += int(values[0])
             if len(values) > 1:
@@ -115,9 +118,10 @@ def print_diff(ref, t, rcounts, rios, counts, ios, what, top, digits=0):
           f' (per IO: {ref}, {t}, difference):')
     diff = {fn: counts[fn] / ios - rcounts[fn] / rios
             for fn in set(counts) | set(rcounts)}
+    prec = max(digits, 1)
     for fn in sorted(diff, key=lambda k: -abs(diff[k]))[:top]:
-        print(f'  {rcounts[fn] / rios:9.1f} {counts[fn] / ios:9.1f}'
-              f' {diff[fn]:+9.1f}  {fn}')
+        print(f'  {rcounts[fn] / rios:9.{prec}f} {counts[fn] / ios:9.{prec}f}'
+              f' {diff[fn]:+9.{prec}f}  {fn}')
 
 
 def report_insns(args, env, targets):
