@@ -72,8 +72,8 @@ struct block_count {
 };
 
 static struct block_count *table;
-static uint64_t overflow_insns, user_insns;
-static uint64_t overflow_misses, user_misses;
+/* User space's counts, and those of kernel blocks beyond the table's room. */
+static struct block_count user_count, overflow_count;
 static unsigned int tlb_bits;	/* 0: no TLB model */
 
 #define VICTIMS 8
@@ -170,9 +170,10 @@ static void write_counts(unsigned int vcpu, void *udata)
 	if (!f) {
 		fprintf(stderr, "insn-count: cannot write %s: %s\n", path, strerror(errno));
 	} else {
-		write_line(f, "user", user_insns, user_misses);
-		if (overflow_insns)
-			write_line(f, "0", overflow_insns, overflow_misses);
+		write_line(f, "user", user_count.insns, user_count.tlb_misses);
+		if (overflow_count.insns)
+			write_line(f, "0", overflow_count.insns,
+				   overflow_count.tlb_misses);
 		for (i = 0; i < TABLE_SIZE; i++) {
 			char addr[20];
 
@@ -186,27 +187,25 @@ static void write_counts(unsigned int vcpu, void *udata)
 	}
 	for (i = 0; i < TABLE_SIZE; i++)
 		table[i].insns = table[i].tlb_misses = 0;
-	user_insns = overflow_insns = 0;
-	user_misses = overflow_misses = 0;
+	user_count.insns = user_count.tlb_misses = 0;
+	overflow_count.insns = overflow_count.tlb_misses = 0;
 	pthread_mutex_unlock(&table_lock);
 }
 
 static void translate_block(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 {
 	uint64_t vaddr = qemu_plugin_tb_vaddr(tb);
-	uint64_t *counter = &user_insns, *misses = &user_misses;
+	struct block_count *c = &user_count;
 	bool kernel = vaddr >= KERNEL_START;
 	size_t n = qemu_plugin_tb_n_insns(tb);
 	size_t i;
 
 	if (kernel) {
-		struct block_count *c;
-
 		pthread_mutex_lock(&table_lock);
 		c = counter_for(vaddr);
 		pthread_mutex_unlock(&table_lock);
-		counter = c ? &c->insns : &overflow_insns;
-		misses = c ? &c->tlb_misses : &overflow_misses;
+		if (!c)
+			c = &overflow_count;
 	}
 	for (i = 0; i < n; i++) {
 		struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
@@ -219,9 +218,10 @@ static void translate_block(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
 			qemu_plugin_register_vcpu_mem_cb(
 				insn, kernel ? kernel_access : user_access,
 				QEMU_PLUGIN_CB_NO_REGS, QEMU_PLUGIN_MEM_RW,
-				misses);
+				&c->tlb_misses);
 	}
-	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64, counter, n);
+	qemu_plugin_register_vcpu_tb_exec_inline(tb, QEMU_PLUGIN_INLINE_ADD_U64,
+						 &c->insns, n);
 }
 
 /*
