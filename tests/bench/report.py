@@ -239,7 +239,7 @@ def build(runs, stats):
 
 def table(jobs, targets, result, markdown=False):
     head = ["job", "target", "IOPS median [min-max]", "x linear", "balanced",
-            "x thin-pool"]
+            "x thin-pool", "balanced"]
     rows = []
     for j in jobs:
         for t in targets:
@@ -250,7 +250,8 @@ def table(jobs, targets, result, markdown=False):
             rows.append([j, TARGET_LABELS.get(t, t), iops,
                          fmt_sum(e["vs_linear"], fmt_ratio),
                          fmt_balanced(e["vs_linear"]),
-                         fmt_sum(e["vs_thin_pool"], fmt_ratio)])
+                         fmt_sum(e["vs_thin_pool"], fmt_ratio),
+                         fmt_balanced(e["vs_thin_pool"])])
     if markdown:
         out = ["| " + " | ".join(head) + " |",
                "|" + "|".join("---" for _ in head) + "|"]
@@ -419,7 +420,7 @@ def main():
     print("(IOPS: median [min-max] over the rounds; x linear, x thin-pool: "
           "ratio to that target in the same round, median [min-max];")
     print(" balanced: geometric mean over the kinds of round, by the two "
-          "targets' places, of the median ratio to linear in each)")
+          "targets' places, of the median ratio in each)")
     print()
     print(table(jobs, targets, result))
     print()
