@@ -14,16 +14,19 @@ info.env, stats.tsv), and
 Ratios are taken round by round (a target's IOPS over linear's IOPS in the
 same round, which ran next to it) and then summarised (median, min, max):
 what the host does between rounds cancels out.  Within a round a target
-runs slower the later its place (session 33 in the README), so a round's
-ratio depends on the places of the two targets, which the rotation moves
-from round to round.  The balanced ratio takes the median of each kind of
-round (each pair of places) and then their geometric mean: a slowdown by
-place that slows every target by the same factor cancels out of it (one
-that differs by target is averaged over the places).  Standard library
+runs slower the later its place (session 33 in the README), and a run
+may depend on the run before it (session 41), so a round's ratio depends
+on the places of the two targets, which the rotation moves from round to
+round (and the reversed order, after as many rounds as targets, runs
+each pair the other way round).  The balanced ratio takes the median of each kind of round (each
+pair of places) and then their geometric mean: a slowdown by place that
+slows every target by the same factor cancels out of it (one that
+differs by target is averaged over the places).  Standard library
 only.
 """
 
 import argparse
+import collections
 import datetime
 import json
 import math
@@ -128,15 +131,21 @@ def balanced(pairs, kinds):
     """Geometric mean over the kinds of round of the median ratio of each.
 
     pairs: (ratio, kind) per round, kind the two targets' places (None
-    where unknown); kinds: how many kinds the rotation makes (the places
-    in a round).  None unless every kind ran.
+    where unknown); kinds: the places in a round.  None unless each
+    target ran in every place in as many of the kinds as in any other
+    place (one rotation gives each place once, the reversed one once
+    more, or the same kinds again): a part of a rotation that ran would
+    weigh some places more than others.
     """
     groups = {}
     for ratio, kind in pairs:
         if all(kind):
             groups.setdefault(kind, []).append(ratio)
-    if not kinds or len(groups) != kinds:
-        return None
+    for side in (0, 1):
+        per_place = collections.Counter(k[side] for k in groups)
+        if (not kinds or len(per_place) != kinds or
+                len(set(per_place.values())) != 1):
+            return None
     logs = [math.log(statistics.median(g)) for g in groups.values()]
     return math.exp(sum(logs) / len(logs))
 
