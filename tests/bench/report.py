@@ -18,11 +18,11 @@ runs slower the later its place (session 33 in the README), and a run
 may depend on the run before it (session 41), so a round's ratio depends
 on the places of the two targets, which the rotation moves from round to
 round (and the reversed order, after as many rounds as targets, runs
-each pair the other way round).  The balanced ratio takes the median of each kind of round (each
-pair of places) and then their geometric mean: a slowdown by place that
-slows every target by the same factor cancels out of it (one that
-differs by target is averaged over the places).  Standard library
-only.
+each pair the other way round).  The balanced ratio takes the median of
+each kind of round (each pair of places) and then their geometric mean:
+a slowdown by place that slows every target by the same factor cancels
+out of it (one that differs by target is averaged over the places).
+Standard library only.
 """
 
 import argparse
@@ -137,14 +137,15 @@ def balanced(pairs, kinds):
     more, or the same kinds again): a part of a rotation that ran would
     weigh some places more than others.
     """
+    if not kinds:
+        return None
     groups = {}
     for ratio, kind in pairs:
         if all(kind):
             groups.setdefault(kind, []).append(ratio)
     for side in (0, 1):
         per_place = collections.Counter(k[side] for k in groups)
-        if (not kinds or len(per_place) != kinds or
-                len(set(per_place.values())) != 1):
+        if len(per_place) != kinds or len(set(per_place.values())) != 1:
             return None
     logs = [math.log(statistics.median(g)) for g in groups.values()]
     return math.exp(sum(logs) / len(logs))
