@@ -1993,6 +1993,7 @@ static void do_no_space_timeout(struct work_struct *ws)
  */
 static void no_space_for(struct pool *pool, struct bio *bio, u64 space_gen_seen)
 {
+	struct thin_c *tc = thin_bio(bio)->tc;
 	bool requeue;
 
 	if (switch_pool_mode(pool, PM_WRITE, PM_OUT_OF_DATA_SPACE) !=
@@ -2022,8 +2023,13 @@ static void no_space_for(struct pool *pool, struct bio *bio, u64 space_gen_seen)
 		bio_endio(bio);
 		return;
 	}
+	/*
+	 * When a signal interrupts the suspend, dm core ends its noflush
+	 * state before thin_presuspend_undo() clears requeue_no_space, and
+	 * would turn a requeue in between into an error: queue the bio.
+	 */
 	spin_lock_irq(&pool->lock);
-	requeue = thin_bio(bio)->tc->requeue_no_space;
+	requeue = tc->requeue_no_space && dm_noflush_suspending(tc->ti);
 	if (!requeue)
 		bio_list_add(&pool->retry_list, bio);
 	spin_unlock_irq(&pool->lock);

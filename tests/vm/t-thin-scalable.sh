@@ -1258,6 +1258,15 @@ test_no_space() {
 		fail "a write to a full pool in queue mode ended at once: $(cat dd.err)"
 	fi
 	assert_eq out_of_data_space "$(dm_status tss-pool | cut -d' ' -f5)" "pool mode with a queued write"
+	# A noflush suspend of the thin device hands the queued write back
+	# to dm core, which submits it again on resume: it waits on.
+	dmsetup suspend --noflush tss-thin0 ||
+		fail "a noflush suspend of a device with a queued write failed"
+	dmsetup resume tss-thin0
+	if wait_gone $pid 20; then
+		wait $pid || true
+		fail "a queued write ended across a noflush suspend: $(cat dd.err)"
+	fi
 	grow_pool 64 0
 	if ! wait_gone $pid 200; then
 		log "pool: $(dm_status tss-pool)"
